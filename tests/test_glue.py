@@ -1,0 +1,256 @@
+"""GLUE task specs, loaders and metrics (fixtures in each task's GLUE release layout)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from dpbert.data import glue
+from dpbert.data.glue_metrics import compute_metrics, predictions_from_logits
+
+_MNLI_DEV_HEADER = (
+    "index\tpromptID\tpairID\tgenre\tsentence1_binary_parse\tsentence2_binary_parse\tsentence1_parse\t"
+    "sentence2_parse\tsentence1\tsentence2\tlabel1\tlabel2\tlabel3\tlabel4\tlabel5\tgold_label"
+)
+
+
+def _mnli_row(i: int, premise: str, hypothesis: str, label: str, dev: bool) -> str:
+    labels = [label] * (5 if dev else 1)
+    return "\t".join([str(i), "31193", f"{i}n", "government", "( x )", "( y )", "(ROOT x)", "(ROOT y)",
+                      premise, hypothesis, *labels, label])  # fmt: skip
+
+
+# Each task: {file: text}. Rows are (premise-ish, hypothesis-ish, raw label) as the GLUE release writes them;
+# the expected parse is in EXPECTED below. A stray quote character sits in several sentences on purpose.
+def write_glue_root(root: Path) -> None:
+    files: dict[str, dict[str, str]] = {
+        "CoLA": {
+            "train.tsv": 'gj04\t1\t\tOur friends won\'t buy this analysis, let alone the next one we propose.\n'
+                         'gj04\t0\t*\tThe more you eat, the "less you want.\n'
+                         'gj04\t1\t\tThey drank the pub dry.\n',
+            "dev.tsv": "gj04\t0\t*\tThey caused him to become angry by making him.\n"
+                       "gj04\t1\t\tThe sailors rode the breeze clear of the rocks.\n",
+        },
+        "SST-2": {
+            "train.tsv": 'sentence\tlabel\nhide new secretions from the parental units \t0\n'
+                         'contains no wit , only labored " gags \t0\nthat loves its characters \t1\n',
+            "dev.tsv": "sentence\tlabel\nit 's a charming and often affecting journey . \t1\n"
+                       "unflinchingly bleak and desperate \t0\n",
+        },
+        "MRPC": {
+            "train.tsv": "\ufeffQuality\t#1 ID\t#2 ID\t#1 String\t#2 String\n"
+                         '1\t702876\t702977\tAmrozi accused his brother "the witness" .\tReferring to him as "the witness" .\n'
+                         "0\t2108705\t2108831\tYucaipa owned Dominick 's .\tYucaipa bought Dominick 's in 1995 .\n",
+            "dev.tsv": "\ufeffQuality\t#1 ID\t#2 ID\t#1 String\t#2 String\n"
+                       "1\t1355540\t1355592\tHe said the foodservice pie business.\tThe foodservice pie business.\n"
+                       "0\t2029631\t2029565\tMagnarelli said Racicot hated the Iraqi regime.\tHe hated it.\n",
+        },
+        "STS-B": {
+            "train.tsv": "index\tgenre\tfilename\tyear\told_index\tsource1\tsource2\tsentence1\tsentence2\tscore\n"
+                         "0\tmain-captions\tMSRvid\t2012test\t0001\tnone\tnone\tA plane is taking off.\tAn air plane is taking off.\t5.000\n"
+                         "1\tmain-captions\tMSRvid\t2012test\t0004\tnone\tnone\tA man is playing a flute.\tA man is eating.\t0.500\n",
+            "dev.tsv": "index\tgenre\tfilename\tyear\told_index\tsource1\tsource2\tsentence1\tsentence2\tscore\n"
+                       "0\tmain-captions\tMSRvid\t2012test\t0000\tnone\tnone\tA man with a hard hat is dancing.\tA man wearing a hard hat is dancing.\t5.000\n"
+                       "1\tmain-captions\tMSRvid\t2012test\t0002\tnone\tnone\tA young child is riding a horse.\tA child is riding a horse.\t4.750\n",
+        },
+        "QQP": {
+            "train.tsv": "id\tqid1\tqid2\tquestion1\tquestion2\tis_duplicate\n"
+                         "133273\t213221\t213222\tHow is the life of a math student?\tWhich level of prepration is enough?\t0\n"
+                         '402555\t536040\t536041\tHow do I control my "horny emotions?\tHow do you control your horniness?\t1\n',
+            "dev.tsv": "id\tqid1\tqid2\tquestion1\tquestion2\tis_duplicate\n"
+                       "201359\t303345\t303346\tWhy are African-Americans so beautiful?\tWhy are hispanics so beautiful?\t0\n",
+        },
+        "MNLI": {
+            "train.tsv": "\t".join(glue._MNLI_TRAIN_HEADER) + "\n"
+                         + _mnli_row(0, "Conceptually cream skimming has two dimensions.", "Product and geography.", "neutral", False) + "\n"
+                         + _mnli_row(1, "you know during the season", "You lose the things.", "entailment", False) + "\n"
+                         + _mnli_row(2, "One of our number will carry out", "A member will ignore it.", "contradiction", False) + "\n",
+            "dev_matched.tsv": _MNLI_DEV_HEADER + "\n"
+                               + _mnli_row(0, "The new rights are nice enough", "Everyone really likes them.", "neutral", True) + "\n",
+            "dev_mismatched.tsv": _MNLI_DEV_HEADER + "\n"
+                                  + _mnli_row(0, "Your contribution helped", "Your contributions were of no help.", "contradiction", True) + "\n"
+                                  + _mnli_row(1, "The answer is yes.", "It is yes.", "entailment", True) + "\n",
+        },
+        "QNLI": {
+            "train.tsv": "index\tquestion\tsentence\tlabel\n"
+                         "0\tWhen did the third Digimon series begin?\tUnlike the two seasons before it.\tnot_entailment\n"
+                         "1\tWhich missile batteries often have individual launchers?\tThey often have launchers.\tentailment\n",
+            "dev.tsv": "index\tquestion\tsentence\tlabel\n"
+                       "0\tWhat came into force after the new constitution?\tThe law came into force.\tentailment\n",
+        },
+        "RTE": {
+            "train.tsv": "index\tsentence1\tsentence2\tlabel\n"
+                         "0\tNo Weapons of Mass Destruction Found in Iraq Yet.\tWeapons Found in Iraq.\tnot_entailment\n"
+                         "1\tA place of sorrow, after Pope John Paul II died.\tPope Benedict XVI is the new leader.\tentailment\n",
+            "dev.tsv": "index\tsentence1\tsentence2\tlabel\n"
+                       "0\tDana Reeve, the widow, died.\tChristopher Reeve had an accident.\tnot_entailment\n",
+        },
+        "WNLI": {
+            "train.tsv": "index\tsentence1\tsentence2\tlabel\n"
+                         "0\tI stuck a pin through a carrot.\tThe carrot had a hole.\t1\n"
+                         "1\tJohn couldn't see the stage with Billy in front of him.\tJohn is so short.\t0\n",
+            "dev.tsv": "index\tsentence1\tsentence2\tlabel\n"
+                       "0\tThe drain is clogged with hair.\tThe hair has to be cleaned out.\t1\n",
+        },
+    }  # fmt: skip
+    for folder, contents in files.items():
+        (root / folder).mkdir(parents=True)
+        for name, text in contents.items():
+            (root / folder / name).write_text(text, encoding="utf-8")
+
+
+# task -> split -> (first text of first row, labels)
+EXPECTED = {
+    "cola": {"train": ("Our friends won't buy", [1, 0, 1]), "validation": ("They caused him", [0, 1])},
+    "sst2": {"train": ("hide new secretions", [0, 0, 1]), "validation": ("it 's a charming", [1, 0])},
+    "mrpc": {"train": ("Amrozi accused", [1, 0]), "validation": ("He said the foodservice", [1, 0])},
+    "stsb": {"train": ("A plane is taking off.", [5.0, 0.5]), "validation": ("A man with a hard hat", [5.0, 4.75])},
+    "qqp": {"train": ("How is the life", [0, 1]), "validation": ("Why are African", [0])},
+    "mnli": {
+        "train": ("Conceptually cream", [1, 0, 2]),
+        "validation_matched": ("The new rights", [1]),
+        "validation_mismatched": ("Your contribution", [2, 0]),
+    },
+    "qnli": {"train": ("When did the third", [1, 0]), "validation": ("What came into force", [0])},
+    "rte": {"train": ("No Weapons of Mass", [1, 0]), "validation": ("Dana Reeve", [1])},
+    "wnli": {"train": ("I stuck a pin", [1, 0]), "validation": ("The drain is clogged", [1])},
+}
+
+
+@pytest.fixture()
+def glue_root(tmp_path: Path) -> Path:
+    write_glue_root(tmp_path / "glue")
+    return tmp_path / "glue"
+
+
+def test_all_nine_tasks_parse_from_glue_layout(glue_root: Path) -> None:
+    found = glue.find_tasks(glue_root)
+    assert list(found) == ["cola", "sst2", "mrpc", "qqp", "stsb", "mnli", "qnli", "rte", "wnli"]
+    for name, folder in found.items():
+        task = glue.get_task(name)
+        splits = glue.load_task(task, folder)
+        assert set(splits) == set(EXPECTED[name]), name
+        for split_name, (first_text, labels) in EXPECTED[name].items():
+            split = splits[split_name]
+            assert split.texts[0][0].startswith(first_text), (name, split_name)
+            np.testing.assert_allclose(split.labels, labels, err_msg=f"{name}/{split_name}")
+            assert split.labels.dtype == (np.float32 if name == "stsb" else np.int64)
+            assert len(split.texts) == (1 if name in ("cola", "sst2") else 2)
+
+
+def test_quotes_are_ordinary_characters(glue_root: Path) -> None:
+    cola = glue.load_tsv(glue.get_task("cola"), glue_root / "CoLA" / "train.tsv", "train")
+    assert cola.texts[0][1] == 'The more you eat, the "less you want.'
+    mrpc = glue.load_tsv(glue.get_task("mrpc"), glue_root / "MRPC" / "train.tsv", "train")
+    assert mrpc.texts[1][0] == 'Referring to him as "the witness" .'
+    mnli = glue.load_task(glue.get_task("mnli"), glue_root / "MNLI")
+    assert mnli["train"].texts[1][0] == "Product and geography."
+
+
+def test_task_specs_match_nyu_glue_and_evaluate() -> None:
+    assert glue.get_task("mnli").label_names == ("entailment", "neutral", "contradiction")
+    assert glue.get_task("wnli").label_names == ("not_entailment", "entailment")
+    assert glue.get_task("rte").label_names == ("entailment", "not_entailment")
+    assert glue.get_task("STS-B").is_regression and glue.get_task("stsb").num_labels == 1
+    assert glue.get_task("SST-2").name == "sst2"
+    assert {n: t.metric_names for n, t in glue.GLUE_TASKS.items()} == {
+        "cola": ("matthews_correlation",), "sst2": ("accuracy",), "mrpc": ("accuracy", "f1"),
+        "qqp": ("accuracy", "f1"), "stsb": ("pearson", "spearmanr"), "mnli": ("accuracy",),
+        "qnli": ("accuracy",), "rte": ("accuracy",), "wnli": ("accuracy",),
+    }  # fmt: skip
+    with pytest.raises(ValueError, match="unknown GLUE task 'glue'"):
+        glue.get_task("glue")
+
+
+def test_bad_label_names_file_and_row(glue_root: Path) -> None:
+    path = glue_root / "RTE" / "dev.tsv"
+    path.write_text(path.read_text() + "1\tA.\tB.\tentailed\n")
+    with pytest.raises(ValueError, match=r"RTE/dev.tsv: line 3: label 'entailed' is not a rte label"):
+        glue.load_task(glue.get_task("rte"), glue_root / "RTE")
+    path = glue_root / "STS-B" / "train.tsv"
+    path.write_text(path.read_text() + "2\tg\tf\ty\to\ts\ts\tA.\tB.\t5.5\n")
+    with pytest.raises(ValueError, match=r"STS-B/train.tsv: line 4: label '5.5' is not an stsb score"):
+        glue.load_tsv(glue.get_task("stsb"), path, "train")
+    path = glue_root / "SST-2" / "dev.tsv"
+    path.write_text(path.read_text() + "fine\t2\n")
+    with pytest.raises(ValueError, match=r"SST-2/dev.tsv: line 4: label '2'"):
+        glue.load_tsv(glue.get_task("sst2"), path, "validation")
+
+
+def test_missing_split_or_column_names_the_file(glue_root: Path) -> None:
+    (glue_root / "MNLI" / "dev_mismatched.tsv").unlink()
+    with pytest.raises(FileNotFoundError, match=r"MNLI/dev_mismatched.tsv: missing mnli split 'validation_mismatched'"):
+        glue.load_task(glue.get_task("mnli"), glue_root / "MNLI")
+    qnli_dev = glue_root / "QNLI" / "dev.tsv"
+    qnli_dev.write_text("index\tquestion\tlabel\n0\tWhy?\tentailment\n")
+    with pytest.raises(ValueError, match=r"QNLI/dev.tsv: header has no column 'sentence'"):
+        glue.load_task(glue.get_task("qnli"), glue_root / "QNLI")
+    cola_train = glue_root / "CoLA" / "train.tsv"
+    cola_train.write_text("gj04\t1\tonly three fields\n")
+    with pytest.raises(ValueError, match=r"CoLA/train.tsv: line 1: 3 tab-separated fields"):
+        glue.load_tsv(glue.get_task("cola"), cola_train, "train")
+    (glue_root / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match="empty: no wnli training data"):
+        glue.detect_format(glue.get_task("wnli"), glue_root / "empty")
+
+
+def test_csv_jsonl_parquet_with_nyu_column_names(tmp_path: Path) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    task = glue.get_task("mnli")
+    rows = [
+        {"premise": "A man sleeps.", "hypothesis": "A man rests.", "label": 0, "idx": 0},
+        {"premise": "A dog, \"barking\".", "hypothesis": "A cat.", "label": "contradiction", "idx": 1},
+    ]
+    csv_dir, jsonl_dir, pq_dir = tmp_path / "csv", tmp_path / "jsonl", tmp_path / "parquet"
+    for d in (csv_dir, jsonl_dir, pq_dir):
+        d.mkdir()
+    for split in task.splits:
+        import csv
+
+        with (csv_dir / f"{split}.csv").open("w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+            writer.writeheader()
+            writer.writerows(rows)
+        (jsonl_dir / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        ints = [{**r, "label": [0, 2][i]} for i, r in enumerate(rows)]
+        pq.write_table(pa.Table.from_pylist(ints), pq_dir / f"{split}-00000-of-00001.parquet")
+    for folder, fmt in ((csv_dir, "csv"), (jsonl_dir, "jsonl"), (pq_dir, "parquet")):
+        assert glue.detect_format(task, folder) == fmt
+        splits = glue.load_task(task, folder)
+        assert set(splits) == {"train", "validation_matched", "validation_mismatched"}
+        assert splits["validation_mismatched"].texts == (("A man sleeps.", 'A dog, "barking".'), ("A man rests.", "A cat."))
+        assert splits["train"].labels.tolist() == [0, 2]
+    (jsonl_dir / "train.jsonl").write_text(json.dumps({"premise": "x", "label": 1}) + "\n")
+    with pytest.raises(ValueError, match=r"jsonl/train.jsonl: row 1: no column 'hypothesis'"):
+        glue.load_split(task, jsonl_dir, "train")
+    (jsonl_dir / "train.jsonl").write_text(json.dumps({"premise": "x", "hypothesis": "y", "label": -1}) + "\n")
+    with pytest.raises(ValueError, match=r"jsonl/train.jsonl: row 1: label -1 is not a mnli label"):
+        glue.load_split(task, jsonl_dir, "train")
+
+
+def test_metrics_against_hand_computed_values() -> None:
+    preds, refs = np.array([1, 0, 1, 1]), np.array([1, 0, 0, 1])
+    # TP=2 TN=1 FP=1 FN=0: accuracy 3/4; F1 = 2PR/(P+R) with P=2/3, R=1 -> 0.8;
+    # MCC = (TP*TN - FP*FN) / sqrt((TP+FP)(TP+FN)(TN+FP)(TN+FN)) = 2 / sqrt(3*2*2*1).
+    assert compute_metrics(glue.get_task("mrpc"), preds, refs) == pytest.approx({"accuracy": 0.75, "f1": 0.8})
+    assert compute_metrics(glue.get_task("cola"), preds, refs) == pytest.approx(
+        {"matthews_correlation": 2 / np.sqrt(12)}
+    )
+    assert compute_metrics(glue.get_task("rte"), preds, refs) == pytest.approx({"accuracy": 0.75})
+    # Pearson of [1,2,3,4] vs [1,2,3,5]: sum(dx*dy)=6.5, sum dx^2=5, sum dy^2=8.75 -> 6.5/sqrt(43.75).
+    stsb = glue.get_task("stsb")
+    got = compute_metrics(stsb, np.array([1.0, 2.0, 3.0, 4.0]), np.array([1.0, 2.0, 3.0, 5.0]))
+    assert got == pytest.approx({"pearson": 6.5 / np.sqrt(43.75), "spearmanr": 1.0})
+    # Spearman of ranks [1,2,3,4] vs [2,1,4,3]: sum d^2 = 4 -> 1 - 6*4/(4*(16-1)) = 0.6.
+    got = compute_metrics(stsb, np.array([1.0, 2.0, 3.0, 4.0]), np.array([2.0, 1.0, 4.0, 3.0]))
+    assert got["spearmanr"] == pytest.approx(0.6)
+    logits = np.array([[0.1, 2.0, -1.0], [3.0, 0.0, 0.0]])
+    assert predictions_from_logits(glue.get_task("mnli"), logits).tolist() == [1, 0]
+    assert predictions_from_logits(stsb, np.array([[4.5], [1.0]])).tolist() == [4.5, 1.0]
+    with pytest.raises(ValueError, match="predictions"):
+        compute_metrics(glue.get_task("rte"), np.array([1, 0]), np.array([1]))
