@@ -1,0 +1,95 @@
+"""One-run privacy audit (Steinke, Nasr, Jagielski 2023): the bound, and the DP engine audited with it."""
+
+import math
+
+import numpy as np
+import pytest
+import scipy.stats
+
+from dpbert.privacy import audit
+
+
+# ---------------------------------------------------------------- the bound itself
+
+
+def test_pure_dp_p_value_is_the_binomial_tail():
+    # e^1 / (1 + e^1) = 0.7310586; P[Bin(10, 0.7310586) >= 9] computed by hand:
+    # q^9 = exp(9 ln q) = exp(-2.8193) = 0.05963; 10 q^9 (1-q) + q^10 = 0.16037 + 0.04360 = 0.2040
+    p = audit.p_value(num_canaries=100, num_guesses=10, num_correct=9, epsilon=1.0, delta=0.0)
+    assert p == pytest.approx(0.2040, abs=1e-4)
+    q = math.exp(1) / (1 + math.exp(1))
+    assert p == pytest.approx(10 * q**9 * (1 - q) + q**10, rel=1e-12)
+
+
+def test_perfect_guesser_gives_the_known_maximal_bound():
+    # r correct out of r: p-value q^r = beta  =>  eps = logit(beta^(1/r)).
+    for r in (10, 100, 1000):
+        q = 0.05 ** (1 / r)
+        expected = math.log(q / (1 - q))
+        got = audit.epsilon_lower_bound(num_canaries=2 * r, num_guesses=r, num_correct=r, delta=0.0)
+        assert got == pytest.approx(expected, rel=1e-7)
+    # r = 100: logit(0.05^(1/100)) = 3.4930 (by hand)
+    assert audit.epsilon_lower_bound(
+        num_canaries=1000, num_guesses=100, num_correct=100, delta=0.0
+    ) == pytest.approx(3.4930, abs=1e-4)
+
+
+def test_bound_is_where_the_p_value_crosses_the_significance():
+    eps = audit.epsilon_lower_bound(num_canaries=1000, num_guesses=200, num_correct=170, delta=0.0)
+    q = 1 / (1 + math.exp(-eps))
+    assert scipy.stats.binom.sf(169, 200, q) == pytest.approx(0.05, rel=1e-6)
+
+
+def test_monotone_in_correct_guesses_delta_and_confidence():
+    kw = dict(num_canaries=2000, num_guesses=500)
+    by_correct = [audit.epsilon_lower_bound(**kw, num_correct=v, delta=1e-5) for v in (300, 350, 400, 450, 500)]
+    assert by_correct == sorted(by_correct) and by_correct[0] < by_correct[-1]
+    by_delta = [audit.epsilon_lower_bound(**kw, num_correct=480, delta=d) for d in (0.0, 1e-6, 1e-5, 1e-4)]
+    assert by_delta == sorted(by_delta, reverse=True) and by_delta[0] > by_delta[-1]
+    by_level = [audit.epsilon_lower_bound(**kw, num_correct=480, delta=1e-5, significance=s) for s in (0.2, 0.05, 0.01)]
+    assert by_level == sorted(by_level, reverse=True)
+
+
+def test_delta_term_matches_theorem_3():
+    # p = f(v) + 2 m delta max_i (f(v-i) - f(v)) / i, f(v) = P[Bin(r, q) >= v]; written out directly.
+    m, r, v, eps, delta = 500, 60, 50, 1.5, 1e-4
+    q = 1 / (1 + math.exp(-eps))
+    f = lambda x: scipy.stats.binom.sf(x - 1, r, q)  # noqa: E731
+    alpha = max((f(v - i) - f(v)) / i for i in range(1, v + 1))
+    expected = f(v) + 2 * m * delta * alpha
+    got = audit.p_value(num_canaries=m, num_guesses=r, num_correct=v, epsilon=eps, delta=delta)
+    assert got == pytest.approx(expected, rel=1e-9)
+    assert got > audit.p_value(num_canaries=m, num_guesses=r, num_correct=v, epsilon=eps, delta=0.0)
+
+
+def test_correct_guesses_counts_top_in_and_bottom_out():
+    scores = np.array([0.9, 0.1, 0.5, 0.8, 0.2, 0.3])
+    included = np.array([True, False, True, False, True, False])
+    # top 2: idx 0 (in, correct), 3 (out, wrong); bottom 2: idx 1 (out, correct), 4 (in, wrong)
+    assert audit.correct_guesses(scores, included, k_plus=2, k_minus=2) == 2
+    assert audit.correct_guesses(scores, included, k_plus=1, k_minus=1) == 2
+    assert audit.correct_guesses(scores, included, k_plus=0, k_minus=0) == 0
+    with pytest.raises(ValueError, match="k_plus"):
+        audit.correct_guesses(scores, included, k_plus=4, k_minus=3)
+
+
+def test_random_scores_give_a_bound_near_zero_and_separated_scores_a_large_one():
+    rng = np.random.default_rng(0)
+    included = rng.random(4000) < 0.5
+    noise = audit.audit_scores(rng.normal(size=4000), included, delta=1e-6)
+    assert noise.epsilon_lower_bound < 0.1
+    assert noise.epsilon_lower_bound_max_over_k < 0.3
+    perfect = audit.audit_scores(included.astype(float), included, delta=0.0)
+    # 2048 perfect guesses at level 0.05 / num_candidates
+    q = (0.05 / perfect.num_candidates) ** (1 / 2048)
+    assert perfect.epsilon_lower_bound >= math.log(q / (1 - q)) - 1e-6
+    assert perfect.num_correct == perfect.num_guesses
+
+
+def test_bad_input_names_the_field():
+    with pytest.raises(ValueError, match="scores/included"):
+        audit.audit_scores(np.zeros(3), np.zeros(4, bool), delta=0.0)
+    with pytest.raises(ValueError, match="delta"):
+        audit.p_value(num_canaries=10, num_guesses=5, num_correct=3, epsilon=1.0, delta=2.0)
+    with pytest.raises(ValueError, match="confidence"):
+        audit.audit_scores(np.zeros(3), np.zeros(3, bool), delta=0.0, confidence=1.0)
