@@ -12,9 +12,100 @@ from collections.abc import Callable, Sequence
 
 import dpbert
 
+def _add_export(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "export",
+        help="export a pretraining run as a Hugging Face folder with its privacy ledger and card",
+        description="Write OUT (config.json, model.safetensors, tokenizer, privacy.json, README.md) "
+        "from RUN_DIR/hf, RUN_DIR/privacy.json, RUN_DIR/recipe.yaml and RUN_DIR/metrics.jsonl; atomically.",
+    )
+    p.add_argument("run_dir", metavar="RUN_DIR", help="pretraining run folder")
+    p.add_argument("out", metavar="OUT", help="release folder to create")
+    p.add_argument("--tokenizer", default=None, help="tokenizer folder (default: RUN_DIR/hf or the token store's)")
+    p.add_argument("--store", default=None, help="token store folder (default: the recipe's or RUN_DIR/store)")
+    p.add_argument("--repo-id", default=None, help="Hub id ORG/NAME shown in the card's usage examples")
+    p.add_argument("--non-private", action="store_true", help="release a run without a ledger as NOT private")
+    p.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
+
+    def run(args: argparse.Namespace) -> None:
+        from dpbert.release import export_run, verify_folder
+
+        out = export_run(
+            args.run_dir,
+            args.out,
+            tokenizer=args.tokenizer,
+            store=args.store,
+            repo_id=args.repo_id,
+            non_private=args.non_private,
+            overwrite=args.overwrite,
+        )
+        print(verify_folder(out).summary())
+
+    p.set_defaults(func=run)
+
+
+def _add_push(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "push",
+        help="upload a verified release folder to the Hugging Face Hub",
+        description="Verify OUT's privacy metadata, then create the repo (if needed) and upload OUT. "
+        "The token comes from HF_TOKEN or the saved login and is never printed.",
+    )
+    p.add_argument("folder", metavar="OUT", help="release folder written by `dpbert export`")
+    p.add_argument("--repo-id", required=True, help="Hub repo ORG/NAME")
+    p.add_argument("--private", action="store_true", help="create the Hub repo with private visibility")
+    p.add_argument("--revision", default=None, help="branch to upload to (created from main if missing)")
+
+    def run(args: argparse.Namespace) -> None:
+        from dpbert.release import push
+
+        print(push(args.folder, args.repo_id, private=args.private, revision=args.revision))
+
+    p.set_defaults(func=run)
+
+
+def _add_pull(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "pull",
+        help="download a release through the Hugging Face cache and verify it",
+        description="Download ORG/NAME (or take a local PATH), verify its privacy metadata and print the "
+        "local folder. Works offline (HF_HUB_OFFLINE=1) once cached.",
+    )
+    p.add_argument("source", metavar="ORG/NAME|PATH", help="Hub repo id or local folder")
+    p.add_argument("--revision", default=None, help="branch, tag or commit (default: main)")
+    p.add_argument("--no-verify", dest="verify", action="store_false", help="skip the privacy verification")
+
+    def run(args: argparse.Namespace) -> None:
+        from dpbert.release import pull
+
+        print(pull(args.source, revision=args.revision, verify=args.verify))
+
+    p.set_defaults(func=run)
+
+
+def _add_verify(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "verify",
+        help="recompute epsilon from privacy.json and check the card and config against it",
+        description="Exit 0 when the privacy metadata of PATH or ORG/NAME is complete and consistent "
+        "(private or explicitly non-private); exit 1 and name each mismatch otherwise.",
+    )
+    p.add_argument("source", metavar="PATH|ORG/NAME", help="release folder or Hub repo id")
+    p.add_argument("--revision", default=None, help="branch, tag or commit of a Hub repo")
+
+    def run(args: argparse.Namespace) -> int:
+        from dpbert.release import verify
+
+        result = verify(args.source, revision=args.revision)
+        print(result.summary(), file=sys.stdout if result.ok else sys.stderr)
+        return 0 if result.ok else 1
+
+    p.set_defaults(func=run)
+
+
 def _commands() -> list[Callable[..., None]]:
     """Subcommands in the order `dpbert --help` lists them (only ones that work)."""
-    return []
+    return [_add_export, _add_push, _add_pull, _add_verify]
 
 
 def build_parser() -> argparse.ArgumentParser:

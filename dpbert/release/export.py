@@ -1,0 +1,259 @@
+"""Export a model to a Hugging Face folder with its privacy guarantee attached.
+
+`write_release` is the reusable step (the trainer and fine-tuning call it): weights (a folder with
+config.json + model.safetensors, or any object with `save_pretrained(path)`, like dpbert's Flax models),
+a tokenizer folder, the `ReleaseMetadata` (guarantees with their ledgers) and a `CardInfo`. It writes
+
+    config.json          the model config plus `differential_privacy` (private flag, epsilon per guarantee)
+    model.safetensors    the weights, loadable by transformers' BertForMaskedLM / pipeline("fill-mask")
+    tokenizer files      copied from the tokenizer folder (tokenizer.json, vocab.txt, ...)
+    privacy.json         the full ledgers (see `dpbert.release.metadata`)
+    README.md            the model card (see `dpbert.release.card`)
+
+Guarantee: the output folder appears whole or not at all. Everything is written into a hidden
+temporary sibling of `out`, which is renamed into place only after the last file is written; any
+error removes the temporary folder. With `overwrite=True` an existing `out` is swapped out by rename
+and deleted only after the new folder is in place.
+
+`export_run` reads a pretraining run folder (RUN_DIR/hf, RUN_DIR/privacy.json, RUN_DIR/recipe.yaml,
+RUN_DIR/metrics.jsonl, the token store manifest) and calls `write_release`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+import uuid
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Protocol
+
+import yaml
+
+from dpbert.release.card import CARD_FILE, CardInfo, render_card
+from dpbert.release.metadata import PRIVACY_FILE, Guarantee, ReleaseMetadata
+
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "vocab.txt",
+    "special_tokens_map.json",
+    "added_tokens.json",
+)
+_WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
+# Files a release writes itself; never copied from the model folder.
+_RELEASE_FILES = (CARD_FILE, PRIVACY_FILE)
+
+
+class SavesPretrained(Protocol):
+    def save_pretrained(self, path: str | os.PathLike[str]) -> Any: ...
+
+
+def _write_text(path: Path, text: str) -> None:
+    """Write a file via a temporary sibling and rename, so a reader never sees half a file."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _copy_model(model: Path | SavesPretrained, dest: Path) -> None:
+    if isinstance(model, (str, os.PathLike)):
+        src = Path(model)
+        if not (src / "config.json").is_file():
+            raise FileNotFoundError(f"{src / 'config.json'}: missing (expected a Hugging Face model folder)")
+        if not any((src / name).is_file() for name in _WEIGHT_FILES):
+            raise FileNotFoundError(f"{src}: no weights (expected one of {', '.join(_WEIGHT_FILES)})")
+        for item in sorted(src.iterdir()):
+            # Shards of a sharded checkpoint are copied along with everything else at the top level.
+            if item.is_file() and item.name not in _RELEASE_FILES:
+                shutil.copy2(item, dest / item.name)
+    else:
+        model.save_pretrained(dest)
+
+
+def _copy_tokenizer(tokenizer_dir: Path | None, dest: Path) -> None:
+    if tokenizer_dir is not None:
+        src = Path(tokenizer_dir)
+        found = [name for name in TOKENIZER_FILES if (src / name).is_file()]
+        if not found:
+            raise FileNotFoundError(f"{src}: no tokenizer files (expected some of {', '.join(TOKENIZER_FILES)})")
+        for name in found:
+            shutil.copy2(src / name, dest / name)
+    if not ((dest / "tokenizer.json").is_file() or (dest / "vocab.txt").is_file()):
+        raise FileNotFoundError(
+            "tokenizer: neither the model folder nor the tokenizer folder has tokenizer.json or vocab.txt"
+        )
+
+
+def write_release(
+    out: str | os.PathLike[str],
+    *,
+    model: str | os.PathLike[str] | SavesPretrained,
+    meta: ReleaseMetadata,
+    info: CardInfo,
+    tokenizer_dir: str | os.PathLike[str] | None = None,
+    overwrite: bool = False,
+) -> Path:
+    """Write a release folder at `out` (atomically; see the module docstring) and return its path."""
+    out = Path(out)
+    if out.exists() and not overwrite:
+        raise ValueError(f"{out}: already exists (pass overwrite=True / --overwrite to replace it)")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.export-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    try:
+        _copy_model(model if not isinstance(model, str) else Path(model), tmp)
+        _copy_tokenizer(None if tokenizer_dir is None else Path(tokenizer_dir), tmp)
+        config_path = tmp / "config.json"
+        config = json.loads(config_path.read_text())
+        config["differential_privacy"] = meta.config_copy()
+        _write_text(config_path, json.dumps(config, indent=2, sort_keys=True) + "\n")
+        _write_text(tmp / PRIVACY_FILE, json.dumps(meta.to_dict(), indent=2) + "\n")
+        _write_text(tmp / CARD_FILE, render_card(meta, info))
+        if out.exists():
+            old = out.parent / f".{out.name}.old-{uuid.uuid4().hex[:8]}"
+            os.replace(out, old)
+            os.replace(tmp, out)
+            shutil.rmtree(old)
+        else:
+            os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+# ---- reading a pretraining run folder ----
+
+
+def _read_jsonl(path: Path) -> list[dict[str, Any]]:
+    records = []
+    for line in path.read_text().splitlines():
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue  # a torn last line from a killed run
+    return records
+
+
+def _find_store_manifest(run_dir: Path, recipe: Mapping[str, Any], store: Path | None) -> dict[str, Any] | None:
+    candidates = [store] if store is not None else []
+    recipe_store = (recipe.get("data") or {}).get("store")
+    if recipe_store:
+        candidates.append(Path(recipe_store))
+    candidates.append(run_dir / "store")
+    for folder in candidates:
+        if folder is not None and (folder / "manifest.json").is_file():
+            manifest = json.loads((folder / "manifest.json").read_text())
+            manifest.setdefault("_dir", str(folder))
+            return manifest
+    if store is not None:
+        raise FileNotFoundError(f"{store / 'manifest.json'}: missing (expected a token store folder)")
+    return None
+
+
+def _vocabulary(manifest: Mapping[str, Any] | None) -> tuple[str, bool]:
+    """(origin sentence, covered by the guarantee?). Unknown origins count as not covered."""
+    if manifest is None:
+        return "Its origin is not recorded (no token store manifest was found for this run)", False
+    origin = manifest.get("vocab_origin")
+    if isinstance(origin, Mapping):
+        learned_on_private = bool(origin.get("trained_on_private_corpus", True))
+        text = str(origin.get("description") or origin.get("name") or origin)
+    else:
+        text = str(origin or manifest.get("tokenizer", "unknown"))
+        learned_on_private = True
+    return f"Vocabulary: {text}", not learned_on_private
+
+
+def export_run(
+    run_dir: str | os.PathLike[str],
+    out: str | os.PathLike[str],
+    *,
+    tokenizer: str | os.PathLike[str] | None = None,
+    store: str | os.PathLike[str] | None = None,
+    repo_id: str | None = None,
+    non_private: bool = False,
+    overwrite: bool = False,
+) -> Path:
+    """Export a finished pretraining run (RUN_DIR/hf + ledger + card) to the release folder `out`.
+
+    The ledger is RUN_DIR/privacy.json; a run without one is refused unless `non_private=True`, which
+    releases it as explicitly non-private (epsilon = infinity). The tokenizer comes from RUN_DIR/hf when
+    the trainer saved one there, else from `tokenizer`.
+    """
+    run_dir = Path(run_dir)
+    hf_dir = run_dir / "hf"
+    if not (hf_dir / "config.json").is_file():
+        raise FileNotFoundError(f"{hf_dir / 'config.json'}: missing (the trainer writes RUN_DIR/hf at the end of a run)")
+    recipe_path = run_dir / "recipe.yaml"
+    recipe_text = recipe_path.read_text() if recipe_path.is_file() else None
+    recipe = (yaml.safe_load(recipe_text) or {}) if recipe_text else {}
+    manifest = _find_store_manifest(run_dir, recipe, None if store is None else Path(store))
+
+    data = (recipe.get("data") or {}).get("corpus") or (manifest or {}).get("source") or "the training corpus"
+    data_desc = f"{data} (pretraining corpus)"
+    ledger_path = run_dir / PRIVACY_FILE
+    if ledger_path.is_file():
+        ledger = json.loads(ledger_path.read_text())
+        guarantee = Guarantee.from_ledger(scope="pretraining", data=data_desc, ledger=ledger)
+    elif non_private:
+        guarantee = Guarantee.non_private(scope="pretraining", data=data_desc)
+    else:
+        raise FileNotFoundError(
+            f"{ledger_path}: missing; a release without a ledger makes no privacy claim "
+            "(pass non_private=True / --non-private to release it as NOT private)"
+        )
+
+    records = _read_jsonl(run_dir / "metrics.jsonl") if (run_dir / "metrics.jsonl").is_file() else []
+    evals = [r for r in records if r.get("kind") == "eval" and r.get("eval_mlm_accuracy") is not None]
+    last_eval = evals[-1] if evals else {}
+    diagnostics = sorted({k for r in records if r.get("kind") == "train" for k in r.get("nonprivate_diagnostics") or {}})
+
+    vocab_origin, vocab_covered = _vocabulary(manifest)
+    meta = ReleaseMetadata(
+        guarantees=(guarantee,),
+        vocabulary_origin=vocab_origin,
+        vocabulary_covered=vocab_covered,
+        recipe_name=recipe_path.name if recipe_text is not None else None,
+        recipe_content=recipe_text,
+        non_private_diagnostics=tuple(diagnostics),
+    )
+    config = json.loads((hf_dir / "config.json").read_text())
+    info = CardInfo(
+        model_name=repo_id.split("/")[-1] if repo_id else Path(out).name,
+        repo_id=repo_id,
+        architecture=(
+            f"Architecture: BERT, {config.get('num_hidden_layers')} layers, hidden size {config.get('hidden_size')}, "
+            f"{config.get('num_attention_heads')} attention heads, vocabulary {config.get('vocab_size')}, "
+            f"up to {config.get('max_position_embeddings')} positions."
+        ),
+        reproduce_command="dpbert pretrain recipe.yaml --run-dir RUN_DIR && dpbert export RUN_DIR OUT",
+        mlm_accuracy=last_eval.get("eval_mlm_accuracy"),
+        eval_dataset=f"held-out split of {data}" + (f", step {last_eval['step']}" if "step" in last_eval else ""),
+        eval_metrics={k: v for k, v in last_eval.items() if k.startswith("eval_") and k != "eval_mlm_accuracy"},
+    )
+    has_tokenizer = any((hf_dir / name).is_file() for name in ("tokenizer.json", "vocab.txt"))
+    if tokenizer is None and not has_tokenizer and manifest is not None:
+        tokenizer = _manifest_tokenizer_dir(manifest)
+    return write_release(out, model=hf_dir, meta=meta, info=info, tokenizer_dir=tokenizer, overwrite=overwrite)
+
+
+def _manifest_tokenizer_dir(manifest: Mapping[str, Any]) -> Path | None:
+    """The tokenizer folder a token store records, when it is a local folder."""
+    for key in ("tokenizer_dir", "tokenizer_path", "tokenizer"):
+        value = manifest.get(key)
+        if isinstance(value, str):
+            path = Path(value)
+            if not path.is_absolute():
+                path = Path(manifest["_dir"]) / path
+            if path.is_dir():
+                return path
+    return None

@@ -1,0 +1,435 @@
+"""Release: export -> transformers, model card metadata, verify, atomic export, push/pull via a local Hub."""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from dpbert.cli import main as cli_main
+from dpbert.release import (
+    CardInfo,
+    Guarantee,
+    ReleaseMetadata,
+    export_run,
+    verify_folder,
+    write_release,
+)
+from dpbert.release.card import read_front_matter
+
+sys.path.insert(0, str(Path(__file__).parent))
+from hub_server import HubServer  # noqa: E402
+
+WORDS = "the quick brown fox jumps over lazy dog cat sat on mat a and are friends state union nation".split()
+TOKEN = "hf_test_secret_token_123"
+EVAL_ACCURACY = 0.4375
+
+
+def _ledger(noise_multiplier: float = 1.1, steps: int = 20, batch: int = 64, dataset_size: int = 1000) -> dict:
+    """A ledger as `PrivacyLedger.to_dict()` writes it (one stage)."""
+    return {
+        "accountant": "pld",
+        "delta": 1e-5,
+        "dataset_size": dataset_size,
+        "clip_norm": 1.0,
+        "stages": [
+            {
+                "steps": steps,
+                "expected_batch_size": batch,
+                "noise_multiplier": noise_multiplier,
+                "sampling_rate": batch / dataset_size,
+                "physical_batch_size": None,
+            }
+        ],
+        "target_epsilon": None,
+        "sampling": "poisson",
+        "privacy_unit": "one example sequence",
+        "neighboring_relation": "add_or_remove_one",
+    }
+
+
+def _reference_epsilon(ledger: dict) -> float:
+    """Epsilon straight from dp_accounting (independent of dpbert's code)."""
+    import dp_accounting
+    from dp_accounting.pld import pld_privacy_accountant
+    from dp_accounting.rdp import rdp_privacy_accountant
+
+    (stage,) = ledger["stages"]
+    event = dp_accounting.SelfComposedDpEvent(
+        dp_accounting.PoissonSampledDpEvent(
+            stage["sampling_rate"], dp_accounting.GaussianDpEvent(stage["noise_multiplier"])
+        ),
+        stage["steps"],
+    )
+    acc = {"pld": pld_privacy_accountant.PLDAccountant, "rdp": rdp_privacy_accountant.RdpAccountant}[
+        ledger["accountant"]
+    ]()
+    acc.compose(event)
+    return acc.get_epsilon(ledger["delta"])
+
+
+@pytest.fixture(scope="module")
+def hf_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny BERT (torch transformers' save_pretrained) with a BERT tokenizer in the same folder."""
+    from transformers import BertConfig, BertForMaskedLM
+
+    folder = tmp_path_factory.mktemp("hf")
+    (folder / "vocab.txt").write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *WORDS]) + "\n")
+    (folder / "tokenizer_config.json").write_text(
+        json.dumps({"tokenizer_class": "BertTokenizer", "do_lower_case": True, "model_max_length": 32})
+    )
+    config = BertConfig(
+        vocab_size=5 + len(WORDS),
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=32,
+    )
+    BertForMaskedLM(config).save_pretrained(folder)
+    return folder
+
+
+def _make_run(root: Path, hf_dir: Path, *, ledger: dict | None) -> Path:
+    """A pretraining run folder laid out as the trainer writes it."""
+    import shutil
+
+    run = root / "run"
+    shutil.copytree(hf_dir, run / "hf")
+    (run / "recipe.yaml").write_text("data:\n  corpus: sotu\n  seq_len: 32\nprivacy:\n  enabled: true\n")
+    store = run / "store"
+    store.mkdir()
+    (store / "manifest.json").write_text(
+        json.dumps({"vocab_origin": "bert-base-uncased vocabulary (public, not learned on this corpus)"})
+    )
+    records = [
+        {"kind": "train", "step": 1, "nonprivate_diagnostics": {"loss": 6.1, "clip_fraction": 0.9}},
+        {"kind": "eval", "step": 10, "eval_mlm_accuracy": 0.25, "eval_mlm_loss": 5.0},
+        {"kind": "eval", "step": 20, "eval_mlm_accuracy": EVAL_ACCURACY, "eval_mlm_loss": 4.5},
+    ]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    if ledger is not None:
+        (run / "privacy.json").write_text(json.dumps(ledger))
+    return run
+
+
+@pytest.fixture(scope="module")
+def release(hf_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("release")
+    run = _make_run(root, hf_model_dir, ledger=_ledger())
+    return export_run(run, root / "out", repo_id="dpbert-test/tiny-dp")
+
+
+def _copy(folder: Path, dest: Path) -> Path:
+    import shutil
+
+    return Path(shutil.copytree(folder, dest))
+
+
+def test_export_loads_in_transformers_and_fill_mask_runs(release: Path) -> None:
+    from transformers import AutoModelForMaskedLM, AutoTokenizer, pipeline
+
+    model, info = AutoModelForMaskedLM.from_pretrained(release, output_loading_info=True)
+    assert type(model).__name__ == "BertForMaskedLM"
+    assert info["missing_keys"] == set() or not info["missing_keys"]
+    tokenizer = AutoTokenizer.from_pretrained(release)
+    fill = pipeline("fill-mask", model=model, tokenizer=tokenizer)
+    predictions = fill("the cat [MASK] on the mat", top_k=3)
+    assert len(predictions) == 3
+    assert all(p["token_str"] in WORDS + ["[UNK]", "[PAD]", "[CLS]", "[SEP]", "[MASK]"] for p in predictions)
+    # The model's config carries the guarantee too.
+    assert model.config.differential_privacy["private"] is True
+
+
+def test_privacy_json_holds_the_ledger_and_the_recomputed_epsilon(release: Path) -> None:
+    data = json.loads((release / "privacy.json").read_text())
+    ledger = _ledger()
+    (g,) = data["guarantees"]
+    assert data["private"] is True and g["private"] is True
+    assert g["ledger"] == ledger
+    assert g["epsilon"] == pytest.approx(_reference_epsilon(ledger), rel=1e-6)
+    assert 0.5 < g["epsilon"] < 20  # q=0.064, sigma=1.1, 20 steps at delta=1e-5
+    assert data["recipe"]["content"].startswith("data:")
+    assert len(data["recipe"]["sha256"]) == 64
+    assert data["vocabulary"]["covered"] is False  # the manifest does not say it was not learned privately
+    assert data["non_private_diagnostics"] == ["clip_fraction", "loss"]
+
+
+def test_card_metadata_round_trips_through_modelcard_load(release: Path) -> None:
+    from huggingface_hub import ModelCard
+
+    card = ModelCard.load(release / "README.md")
+    data = card.data.to_dict()
+    assert data["library_name"] == "transformers"
+    assert data["pipeline_tag"] == "fill-mask"
+    assert {"differential-privacy", "dp-sgd", "bert", "fill-mask"} <= set(data["tags"])
+    dp = data["differential_privacy"]
+    (g,) = dp["guarantees"]
+    stated = json.loads((release / "privacy.json").read_text())["guarantees"][0]["epsilon"]
+    assert dp["private"] is True
+    assert g["epsilon"] == pytest.approx(stated, rel=1e-12)
+    assert g["delta"] == 1e-5 and g["accountant"] == "pld" and g["privacy_unit"] == "one example sequence"
+    (result,) = card.data.eval_results
+    assert result.metric_type == "accuracy" and result.metric_value == pytest.approx(EVAL_ACCURACY)
+    body = card.text
+    for needed in ("What is protected", "What is not protected", "Vocabulary", "clip_fraction", "How to reproduce",
+                   "Limitations", 'pipeline("fill-mask", model="dpbert-test/tiny-dp")', "dpbert pull"):
+        assert needed in body, needed
+
+
+def test_verify_passes_on_an_export(release: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    result = verify_folder(release)
+    assert result.ok, result.summary()
+    assert result.status == "private"
+    assert cli_main(["verify", str(release)]) == 0
+    assert "private" in capsys.readouterr().out
+
+
+def _edit_card_epsilon(folder: Path, value: float) -> None:
+    card = folder / "README.md"
+    text = card.read_text()
+    matter = read_front_matter(card)
+    matter["differential_privacy"]["guarantees"][0]["epsilon"] = value
+    body = text.split("\n---\n", 1)[1]
+    card.write_text("---\n" + yaml.safe_dump(matter, sort_keys=False) + "---\n" + body)
+
+
+def test_verify_catches_an_edited_epsilon_in_the_card(release: Path, tmp_path: Path, capsys) -> None:
+    folder = _copy(release, tmp_path / "r")
+    _edit_card_epsilon(folder, 1.0)
+    assert cli_main(["verify", str(folder)]) == 1
+    err = capsys.readouterr().err
+    assert "README.md" in err and "epsilon for 'pretraining' is 1 " in err
+    true_eps = json.loads((folder / "privacy.json").read_text())["guarantees"][0]["epsilon"]
+    assert f"{true_eps:.6g}" in err
+
+
+def test_verify_catches_an_edited_ledger(release: Path, tmp_path: Path, capsys) -> None:
+    folder = _copy(release, tmp_path / "r")
+    data = json.loads((folder / "privacy.json").read_text())
+    stated = data["guarantees"][0]["epsilon"]
+    data["guarantees"][0]["ledger"]["stages"][0]["noise_multiplier"] = 2.0  # claims more noise than was added
+    (folder / "privacy.json").write_text(json.dumps(data))
+    assert cli_main(["verify", str(folder)]) == 1
+    err = capsys.readouterr().err
+    assert "privacy.json" in err and f"is {stated:.6g} but its ledger gives" in err
+
+
+def test_verify_catches_an_edited_stated_epsilon_and_config_copy(release: Path, tmp_path: Path) -> None:
+    folder = _copy(release, tmp_path / "r")
+    data = json.loads((folder / "privacy.json").read_text())
+    data["guarantees"][0]["epsilon"] *= 1.01  # beyond the 1e-3 tolerance
+    (folder / "privacy.json").write_text(json.dumps(data))
+    assert not verify_folder(folder).ok
+    folder = _copy(release, tmp_path / "c")
+    config = json.loads((folder / "config.json").read_text())
+    config["differential_privacy"]["guarantees"][0]["epsilon"] = 0.1
+    (folder / "config.json").write_text(json.dumps(config))
+    result = verify_folder(folder)
+    assert not result.ok and any("config.json" in p for p in result.problems)
+
+
+def test_verify_fails_on_missing_metadata(release: Path, tmp_path: Path, capsys) -> None:
+    folder = _copy(release, tmp_path / "r")
+    (folder / "privacy.json").unlink()
+    assert cli_main(["verify", str(folder)]) == 1
+    assert "privacy.json: missing" in capsys.readouterr().err
+    folder = _copy(release, tmp_path / "s")
+    (folder / "README.md").unlink()
+    result = verify_folder(folder)
+    assert not result.ok and "README.md: missing" in result.problems[0]
+
+
+def test_non_private_release_says_so_everywhere(hf_model_dir: Path, tmp_path: Path) -> None:
+    run = _make_run(tmp_path, hf_model_dir, ledger=None)
+    with pytest.raises(FileNotFoundError, match="privacy.json: missing"):
+        export_run(run, tmp_path / "refused")
+    out = export_run(run, tmp_path / "out", non_private=True)
+    data = json.loads((out / "privacy.json").read_text())
+    assert data["private"] is False and data["guarantees"][0]["epsilon"] == "inf"
+    matter = read_front_matter(out / "README.md")
+    assert matter["differential_privacy"]["private"] is False
+    assert math.isinf(matter["differential_privacy"]["guarantees"][0]["epsilon"])
+    assert not {"differential-privacy", "dp-sgd"} & set(matter["tags"])
+    assert "NOT differentially private (epsilon = infinity)" in (out / "README.md").read_text()
+    result = verify_folder(out)
+    assert result.ok and result.status == "non-private", result.summary()
+    # Claiming privacy on it is caught.
+    _edit_card_epsilon(out, 3.0)
+    assert not verify_folder(out).ok
+
+
+def test_noise_free_ledger_is_non_private(hf_model_dir: Path, tmp_path: Path) -> None:
+    run = _make_run(tmp_path, hf_model_dir, ledger=_ledger(noise_multiplier=0.0))
+    out = export_run(run, tmp_path / "out")
+    assert json.loads((out / "privacy.json").read_text())["private"] is False
+    assert verify_folder(out).status == "non-private"
+
+
+class _FailingModel:
+    """A model whose save_pretrained dies after writing part of its output (like a full disk)."""
+
+    def save_pretrained(self, path: str | os.PathLike[str]) -> None:
+        Path(path, "config.json").write_text("{}")
+        raise OSError("disk full while writing model.safetensors")
+
+
+@functools.cache
+def _meta() -> ReleaseMetadata:
+    return ReleaseMetadata(
+        guarantees=(Guarantee.from_ledger(scope="pretraining", data="sotu", ledger=_ledger()),),
+        vocabulary_origin="public bert-base-uncased vocabulary",
+        vocabulary_covered=True,
+    )
+
+
+def _info() -> CardInfo:
+    return CardInfo(model_name="tiny", architecture="tiny BERT", reproduce_command="dpbert pretrain recipes/tiny.yaml")
+
+
+def test_interrupted_export_leaves_no_folder(hf_model_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    with pytest.raises(OSError, match="disk full"):
+        write_release(out, model=_FailingModel(), meta=_meta(), info=_info(), tokenizer_dir=hf_model_dir)
+    assert list(tmp_path.iterdir()) == []
+    # An existing release is left untouched by a failed overwrite.
+    write_release(out, model=hf_model_dir, meta=_meta(), info=_info())
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    with pytest.raises(OSError, match="disk full"):
+        write_release(out, model=_FailingModel(), meta=_meta(), info=_info(), tokenizer_dir=hf_model_dir, overwrite=True)
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert [p.name for p in tmp_path.iterdir()] == ["out"]
+    with pytest.raises(ValueError, match="already exists"):
+        write_release(out, model=hf_model_dir, meta=_meta(), info=_info())
+
+
+def test_two_guarantees_pretraining_and_task_data(hf_model_dir: Path, tmp_path: Path) -> None:
+    task_ledger = {**_ledger(noise_multiplier=0.8, steps=50, batch=32, dataset_size=500), "accountant": "rdp"}
+    meta = ReleaseMetadata(
+        guarantees=(
+            Guarantee.from_ledger(scope="pretraining", data="sotu", ledger=_ledger()),
+            Guarantee.from_ledger(scope="fine-tuning", data="SST-2 train split", ledger=task_ledger),
+        ),
+        vocabulary_origin="public bert-base-uncased vocabulary",
+        vocabulary_covered=True,
+    )
+    out = write_release(tmp_path / "ft", model=hf_model_dir, meta=meta, info=_info())
+    result = verify_folder(out)
+    assert result.ok, result.summary()
+    assert [c.scope for c in result.checks] == ["pretraining", "fine-tuning"]
+    assert result.checks[1].recomputed_epsilon == pytest.approx(_reference_epsilon(task_ledger), rel=1e-6)
+    text = (out / "README.md").read_text()
+    assert "Pretraining: sotu" in text and "Fine-tuning: SST-2 train split" in text
+    matter = read_front_matter(out / "README.md")
+    matter["differential_privacy"]["guarantees"][1]["epsilon"] = 0.5
+    (out / "README.md").write_text("---\n" + yaml.safe_dump(matter) + "---\n")
+    problems = verify_folder(out).problems
+    assert len(problems) == 1 and "'fine-tuning'" in problems[0]
+
+
+# ---- push and pull through the real huggingface_hub client against a local Hub ----
+
+
+# Each script runs `dpbert` subcommands in one fresh interpreter, so huggingface_hub reads HF_ENDPOINT,
+# HF_HOME and HF_HUB_OFFLINE from the environment at import, as it does for a user; it prints each
+# command's exit code after a marker line.
+_CLI_SCRIPT = """
+import contextlib, io, sys
+from dpbert.cli import main
+for line in sys.argv[1:]:
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(line.split())
+    print("@@", line, "->", code)
+    print(out.getvalue(), end="")
+    print(err.getvalue(), end="", file=sys.stderr)
+    sys.stderr.write(f"@@ {line} -> {code}\\n")
+"""
+
+
+def _run_cli(commands: list[str], env: dict[str, str]) -> tuple[dict[str, tuple[int, str]], str, str]:
+    """Run `dpbert` commands in one subprocess: ({command: (exit code, its stdout)}, stdout, stderr)."""
+    proc = subprocess.run(
+        [sys.executable, "-c", _CLI_SCRIPT, *commands], env=env, capture_output=True, text=True, timeout=180
+    )
+    assert proc.returncode == 0, proc.stderr
+    results, current = {}, None
+    for line in proc.stdout.splitlines():
+        if line.startswith("@@ "):
+            current, code = line[3:].rsplit(" -> ", 1)
+            results[current] = (int(code), "")
+        elif current is not None:
+            results[current] = (results[current][0], results[current][1] + line + "\n")
+    return results, proc.stdout, proc.stderr
+
+
+def _files_containing(root: Path, needle: bytes) -> list[Path]:
+    return [p for p in root.rglob("*") if p.is_file() and not p.is_symlink() and needle in p.read_bytes()]
+
+
+def test_push_pull_offline_and_token_hygiene(release: Path, tmp_path: Path, monkeypatch, capsys) -> None:
+    from dpbert.release import push
+
+    hf_home = tmp_path / "hf_home"
+    repo = "dpbert-test/tiny-dp"
+    with HubServer() as hub:
+        env = {
+            **os.environ,
+            "HF_ENDPOINT": hub.url,
+            "HF_HOME": str(hf_home),
+            "HF_TOKEN": TOKEN,
+            "HF_HUB_DISABLE_TELEMETRY": "1",
+        }
+        online = [
+            f"push {release} --repo-id {repo}",
+            f"push {release} --repo-id {repo} --revision v1",
+            f"pull {repo}",
+            f"verify {repo} --revision v1",
+        ]
+        results, out_online, err_online = _run_cli(online, env)
+        assert [results[c][0] for c in online] == [0, 0, 0, 0], err_online
+        assert f"/{repo}/commit/" in results[online[0]][1]
+        assert hub.repos[repo].branches.keys() == {"main", "v1"}
+        writes = [r for r in hub.requests if r.method == "POST"]
+        assert len(writes) >= 7 and all(r.authorization == f"Bearer {TOKEN}" for r in writes)
+        local = Path(results[online[2]][1].strip())
+        assert hf_home in local.parents
+        for name in ("config.json", "model.safetensors", "privacy.json", "README.md", "vocab.txt"):
+            assert (local / name).read_bytes() == (release / name).read_bytes(), name
+        assert "private" in results[online[3]][1]
+
+        # Offline, from the cache only: the server must see no request at all.
+        n_requests = len(hub.requests)
+        offline = [f"pull {repo}", "pull dpbert-test/never-pushed"]
+        results, out_offline, err_offline = _run_cli(offline, {**env, "HF_HUB_OFFLINE": "1"})
+        assert results[offline[0]] == (0, f"{local}\n"), err_offline
+        assert results[offline[1]][0] == 1 and "not in the Hugging Face cache" in err_offline
+        assert len(hub.requests) == n_requests
+
+        # A folder whose metadata does not verify is refused before anything is sent.
+        monkeypatch.setenv("HF_TOKEN", TOKEN)
+        tampered = _copy(release, tmp_path / "tampered")
+        _edit_card_epsilon(tampered, 0.01)
+        with pytest.raises(ValueError, match="README.md: epsilon for 'pretraining' is 0.01"):
+            push(tampered, "dpbert-test/tampered")
+        assert len(hub.requests) == n_requests
+
+    # The pulled release loads in transformers from the cache folder.
+    from transformers import AutoModelForMaskedLM
+
+    assert type(AutoModelForMaskedLM.from_pretrained(local)).__name__ == "BertForMaskedLM"
+
+    captured = capsys.readouterr()
+    for text in (out_online, err_online, out_offline, err_offline, captured.out, captured.err):
+        assert TOKEN not in text
+    secret = TOKEN.encode()
+    assert _files_containing(release, secret) == []
+    assert _files_containing(hf_home, secret) == []
+    assert _files_containing(tmp_path, secret) == []
