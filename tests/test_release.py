@@ -97,7 +97,7 @@ def hf_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return folder
 
 
-def _make_run(root: Path, hf_dir: Path, *, ledger: dict | None) -> Path:
+def _make_run(root: Path, hf_dir: Path, *, ledger: dict | None, vocab_origin: str = "public") -> Path:
     """A pretraining run folder laid out as the trainer writes it."""
     import shutil
 
@@ -106,9 +106,13 @@ def _make_run(root: Path, hf_dir: Path, *, ledger: dict | None) -> Path:
     (run / "recipe.yaml").write_text("data:\n  corpus: sotu\n  seq_len: 32\nprivacy:\n  enabled: true\n")
     store = run / "store"
     store.mkdir()
-    (store / "manifest.json").write_text(
-        json.dumps({"vocab_origin": "bert-base-uncased vocabulary (public, not learned on this corpus)"})
-    )
+    manifest = {  # the fields of dpbert.data.store's manifest.json that a release reads
+        "vocab_origin": vocab_origin,
+        "vocab_covered_by_dp_guarantee": not vocab_origin.startswith("trained on"),
+        "tokenizer_source": "bert-base-uncased" if vocab_origin == "public" else "WordPiece trained on sotu",
+        "source": "sotu: State of the Union addresses",
+    }
+    (store / "manifest.json").write_text(json.dumps(manifest))
     records = [
         {"kind": "train", "step": 1, "nonprivate_diagnostics": {"loss": 6.1, "clip_fraction": 0.9}},
         {"kind": "eval", "step": 10, "eval_mlm_accuracy": 0.25, "eval_mlm_loss": 5.0},
@@ -158,7 +162,10 @@ def test_privacy_json_holds_the_ledger_and_the_recomputed_epsilon(release: Path)
     assert 0.5 < g["epsilon"] < 20  # q=0.064, sigma=1.1, 20 steps at delta=1e-5
     assert data["recipe"]["content"].startswith("data:")
     assert len(data["recipe"]["sha256"]) == 64
-    assert data["vocabulary"]["covered"] is False  # the manifest does not say it was not learned privately
+    assert data["vocabulary"] == {
+        "origin": "Vocabulary origin: public (tokenizer: bert-base-uncased)",
+        "covered": True,
+    }
     assert data["non_private_diagnostics"] == ["clip_fraction", "loss"]
 
 
@@ -248,7 +255,7 @@ def test_verify_fails_on_missing_metadata(release: Path, tmp_path: Path, capsys)
 
 
 def test_non_private_release_says_so_everywhere(hf_model_dir: Path, tmp_path: Path) -> None:
-    run = _make_run(tmp_path, hf_model_dir, ledger=None)
+    run = _make_run(tmp_path, hf_model_dir, ledger=None, vocab_origin="trained on sotu")
     with pytest.raises(FileNotFoundError, match="privacy.json: missing"):
         export_run(run, tmp_path / "refused")
     out = export_run(run, tmp_path / "out", non_private=True)
@@ -258,7 +265,10 @@ def test_non_private_release_says_so_everywhere(hf_model_dir: Path, tmp_path: Pa
     assert matter["differential_privacy"]["private"] is False
     assert math.isinf(matter["differential_privacy"]["guarantees"][0]["epsilon"])
     assert not {"differential-privacy", "dp-sgd"} & set(matter["tags"])
-    assert "NOT differentially private (epsilon = infinity)" in (out / "README.md").read_text()
+    text = (out / "README.md").read_text()
+    assert "NOT differentially private (epsilon = infinity)" in text
+    assert "Vocabulary origin: trained on sotu" in text and "It is not covered by the guarantee" in text
+    assert data["vocabulary"]["covered"] is False
     result = verify_folder(out)
     assert result.ok and result.status == "non-private", result.summary()
     # Claiming privacy on it is caught.

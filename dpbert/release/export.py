@@ -143,34 +143,32 @@ def _read_jsonl(path: Path) -> list[dict[str, Any]]:
     return records
 
 
-def _find_store_manifest(run_dir: Path, recipe: Mapping[str, Any], store: Path | None) -> dict[str, Any] | None:
-    candidates = [store] if store is not None else []
-    recipe_store = (recipe.get("data") or {}).get("store")
-    if recipe_store:
-        candidates.append(Path(recipe_store))
-    candidates.append(run_dir / "store")
-    for folder in candidates:
-        if folder is not None and (folder / "manifest.json").is_file():
-            manifest = json.loads((folder / "manifest.json").read_text())
-            manifest.setdefault("_dir", str(folder))
-            return manifest
+def _find_store(run_dir: Path, recipe: Mapping[str, Any], store: Path | None) -> Path | None:
+    """The run's token store folder: `store` if given, else the recipe's, else RUN_DIR/store."""
     if store is not None:
-        raise FileNotFoundError(f"{store / 'manifest.json'}: missing (expected a token store folder)")
+        if not (store / "manifest.json").is_file():
+            raise FileNotFoundError(f"{store / 'manifest.json'}: missing (expected a token store folder)")
+        return store
+    recipe_store = (recipe.get("data") or {}).get("store")
+    for folder in ([Path(recipe_store)] if recipe_store else []) + [run_dir / "store"]:
+        if (folder / "manifest.json").is_file():
+            return folder
     return None
 
 
 def _vocabulary(manifest: Mapping[str, Any] | None) -> tuple[str, bool]:
-    """(origin sentence, covered by the guarantee?). Unknown origins count as not covered."""
+    """(origin sentence, covered by the guarantee?) from a token store manifest.
+
+    The manifest records `vocab_origin` ("public" or "trained on <corpus>"), the tokenizer's source
+    and `vocab_covered_by_dp_guarantee`; an unrecorded origin counts as not covered.
+    """
     if manifest is None:
         return "Its origin is not recorded (no token store manifest was found for this run)", False
-    origin = manifest.get("vocab_origin")
-    if isinstance(origin, Mapping):
-        learned_on_private = bool(origin.get("trained_on_private_corpus", True))
-        text = str(origin.get("description") or origin.get("name") or origin)
-    else:
-        text = str(origin or manifest.get("tokenizer", "unknown"))
-        learned_on_private = True
-    return f"Vocabulary: {text}", not learned_on_private
+    origin = str(manifest.get("vocab_origin", "unknown"))
+    source = manifest.get("tokenizer_source")
+    covered = manifest.get("vocab_covered_by_dp_guarantee") is True
+    text = f"Vocabulary origin: {origin}" + (f" (tokenizer: {source})" if source else "")
+    return text, covered
 
 
 def export_run(
@@ -196,10 +194,11 @@ def export_run(
     recipe_path = run_dir / "recipe.yaml"
     recipe_text = recipe_path.read_text() if recipe_path.is_file() else None
     recipe = (yaml.safe_load(recipe_text) or {}) if recipe_text else {}
-    manifest = _find_store_manifest(run_dir, recipe, None if store is None else Path(store))
+    store_dir = _find_store(run_dir, recipe, None if store is None else Path(store))
+    manifest = json.loads((store_dir / "manifest.json").read_text()) if store_dir is not None else None
 
-    data = (recipe.get("data") or {}).get("corpus") or (manifest or {}).get("source") or "the training corpus"
-    data_desc = f"{data} (pretraining corpus)"
+    data = (manifest or {}).get("source") or (recipe.get("data") or {}).get("corpus") or "the training corpus"
+    data_desc = str(data)
     ledger_path = run_dir / PRIVACY_FILE
     if ledger_path.is_file():
         ledger = json.loads(ledger_path.read_text())
@@ -235,25 +234,13 @@ def export_run(
             f"{config.get('num_attention_heads')} attention heads, vocabulary {config.get('vocab_size')}, "
             f"up to {config.get('max_position_embeddings')} positions."
         ),
-        reproduce_command="dpbert pretrain recipe.yaml --run-dir RUN_DIR && dpbert export RUN_DIR OUT",
+        reproduce_command="dpbert pretrain recipe.yaml --output-dir RUN_DIR\ndpbert export RUN_DIR OUT",
         mlm_accuracy=last_eval.get("eval_mlm_accuracy"),
         eval_dataset=f"held-out split of {data}" + (f", step {last_eval['step']}" if "step" in last_eval else ""),
         eval_metrics={k: v for k, v in last_eval.items() if k.startswith("eval_") and k != "eval_mlm_accuracy"},
     )
     has_tokenizer = any((hf_dir / name).is_file() for name in ("tokenizer.json", "vocab.txt"))
-    if tokenizer is None and not has_tokenizer and manifest is not None:
-        tokenizer = _manifest_tokenizer_dir(manifest)
+    if tokenizer is None and not has_tokenizer and store_dir is not None and (store_dir / "tokenizer").is_dir():
+        tokenizer = store_dir / "tokenizer"  # where the token store saves the tokenizer it used
     return write_release(out, model=hf_dir, meta=meta, info=info, tokenizer_dir=tokenizer, overwrite=overwrite)
 
-
-def _manifest_tokenizer_dir(manifest: Mapping[str, Any]) -> Path | None:
-    """The tokenizer folder a token store records, when it is a local folder."""
-    for key in ("tokenizer_dir", "tokenizer_path", "tokenizer"):
-        value = manifest.get(key)
-        if isinstance(value, str):
-            path = Path(value)
-            if not path.is_absolute():
-                path = Path(manifest["_dir"]) / path
-            if path.is_dir():
-                return path
-    return None
