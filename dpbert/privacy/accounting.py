@@ -1,0 +1,445 @@
+"""Privacy accounting for a DP-SGD schedule with `dp_accounting`, and the privacy ledger.
+
+A stage of T steps with Poisson sampling rate q = B/N and noise multiplier sigma is the event
+`SelfComposedDpEvent(PoissonSampledDpEvent(q, GaussianDpEvent(sigma)), T)`; a schedule is the
+composition of its stages. Stages are composed whole, never step by step (composing steps one
+at a time is slow and loses PLD precision). The neighbouring relation is add-or-remove one
+example sequence, which is what Poisson sampling with a clipped *sum* of sensitivity C and
+noise N(0, (sigma*C)^2) gives.
+
+Truncation: when a stage has a finite `physical_batch_size`, the sampler keeps a uniformly
+random subset of that size if the Poisson sample overflows. The truncated run differs from the
+untruncated one only on the overflow events, whose total probability is
+p_T = sum over stages of steps * P[Binomial(N+1, q) > physical_batch_size]. So the run is
+(epsilon, delta + (1 + e^epsilon) * p_T)-DP; `PrivacyLedger.truncation_delta()` is that
+extra term and the budget check refuses a ledger where it exceeds 1% of delta.
+
+Guarantees: `compute_epsilon` is the accountant's epsilon for the whole schedule at `delta`
+(PLD is pessimistic by construction); `calibrate_noise_multiplier` returns noise multipliers
+whose epsilon is <= the target (checked after the search); `PrivacyLedger.epsilon()`
+recomputes epsilon from the ledger's own fields, so anyone holding `privacy.json` can.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import dp_accounting
+from dp_accounting.pld import pld_privacy_accountant
+from dp_accounting.rdp import rdp_privacy_accountant
+
+from dpbert.privacy.schedule import BatchSchedule, Stage
+
+ACCOUNTANTS = ("pld", "rdp")
+SAMPLING = "poisson"
+PRIVACY_UNIT = "one example sequence"
+NEIGHBORING_RELATION = "add_or_remove_one"
+# PLD value discretization: 1e-4 keeps epsilon within ~1e-3 of the exact value for the
+# schedules we run, at well under a second per stage.
+PLD_DISCRETIZATION = 1e-4
+# Calibration searches on a 10x coarser (faster, still pessimistic) grid, then checks the
+# result on the fine grid.
+CALIBRATION_PLD_DISCRETIZATION = 1e-3
+# The largest noise multiplier calibration will consider before declaring a target unreachable.
+MAX_NOISE_MULTIPLIER = 1000.0
+# Truncation may add at most this fraction of delta before a ledger is refused.
+MAX_TRUNCATION_DELTA_FRACTION = 0.01
+
+
+def _check_accountant(accountant: str) -> None:
+    if accountant not in ACCOUNTANTS:
+        raise ValueError(f"accountant must be one of {ACCOUNTANTS}, got {accountant!r}")
+
+
+def _check_delta(delta: float) -> None:
+    if isinstance(delta, bool) or not isinstance(delta, int | float) or not 0 < delta < 1:
+        raise ValueError(f"delta must be in the open interval (0, 1), got {delta!r}")
+
+
+def _check_dataset_size(dataset_size: int) -> None:
+    if isinstance(dataset_size, bool) or not isinstance(dataset_size, int) or dataset_size < 1:
+        raise ValueError(f"dataset_size must be an integer >= 1, got {dataset_size!r}")
+
+
+def sampling_rate(expected_batch_size: int, dataset_size: int) -> float:
+    """q = B / N; ValueError naming the field when q > 1 (a batch larger than the dataset)."""
+    _check_dataset_size(dataset_size)
+    q = expected_batch_size / dataset_size
+    if q > 1:
+        raise ValueError(
+            f"sampling_rate = expected_batch_size / dataset_size = {expected_batch_size} / "
+            f"{dataset_size} = {q:.4g} > 1: the expected batch cannot exceed the dataset"
+        )
+    return q
+
+
+def stage_event(stage: Stage, dataset_size: int) -> dp_accounting.DpEvent:
+    """The DpEvent of one whole stage (all its steps at once)."""
+    q = sampling_rate(stage.expected_batch_size, dataset_size)
+    step = dp_accounting.PoissonSampledDpEvent(
+        sampling_probability=q,
+        event=dp_accounting.GaussianDpEvent(noise_multiplier=stage.noise_multiplier),
+    )
+    return dp_accounting.SelfComposedDpEvent(event=step, count=stage.steps)
+
+
+def schedule_event(schedule: BatchSchedule, dataset_size: int) -> dp_accounting.DpEvent:
+    """The DpEvent of a whole schedule: its stages composed in order."""
+    return dp_accounting.ComposedDpEvent(
+        events=[stage_event(s, dataset_size) for s in schedule.stages]
+    )
+
+
+def make_accountant(
+    accountant: str, *, pld_discretization: float = PLD_DISCRETIZATION
+) -> dp_accounting.PrivacyAccountant:
+    """A fresh accountant by name: "pld" (the default everywhere) or "rdp"."""
+    _check_accountant(accountant)
+    if accountant == "pld":
+        return pld_privacy_accountant.PLDAccountant(value_discretization_interval=pld_discretization)
+    return rdp_privacy_accountant.RdpAccountant()
+
+
+def compute_epsilon(
+    schedule: BatchSchedule,
+    *,
+    dataset_size: int,
+    delta: float,
+    accountant: str = "pld",
+    pld_discretization: float = PLD_DISCRETIZATION,
+) -> float:
+    """Epsilon of the whole schedule at `delta` (inf when some stage has noise_multiplier 0)."""
+    _check_delta(delta)
+    _check_accountant(accountant)
+    event = schedule_event(schedule, dataset_size)
+    acc = make_accountant(accountant, pld_discretization=pld_discretization)
+    acc.compose(event)
+    return float(acc.get_epsilon(delta))
+
+
+def calibrate_noise_multiplier(
+    schedule: BatchSchedule,
+    *,
+    dataset_size: int,
+    target_epsilon: float,
+    delta: float,
+    accountant: str = "pld",
+    per_stage: bool = False,
+    rtol: float = 1e-3,
+) -> BatchSchedule:
+    """The schedule with the smallest noise that meets `target_epsilon` at `delta`.
+
+    per_stage=False: one noise multiplier shared by every stage (the schedule's values are
+    ignored). per_stage=True: the schedule's noise multipliers (all > 0) are kept in
+    proportion and scaled by one common factor, so each stage gets its own sigma.
+    The returned noise is within a relative `rtol` of the smallest admissible and its
+    epsilon is <= target_epsilon.
+    """
+    if isinstance(target_epsilon, bool) or not isinstance(target_epsilon, int | float) or not (
+        target_epsilon > 0 and math.isfinite(target_epsilon)
+    ):
+        raise ValueError(f"target_epsilon must be a finite number > 0, got {target_epsilon!r}")
+    _check_delta(delta)
+    _check_accountant(accountant)
+    if per_stage:
+        base = schedule.noise_multipliers
+        if min(base) <= 0:
+            raise ValueError(
+                "per_stage calibration scales the schedule's noise_multiplier values, which must "
+                f"all be > 0; got {list(base)}"
+            )
+        base = tuple(b / max(base) for b in base)
+    else:
+        base = tuple(1.0 for _ in schedule.stages)
+
+    def scaled(scale: float) -> BatchSchedule:
+        return schedule.with_noise_multipliers([scale * b for b in base])
+
+    def epsilon_at(scale: float, discretization: float = CALIBRATION_PLD_DISCRETIZATION) -> float:
+        return compute_epsilon(
+            scaled(scale),
+            dataset_size=dataset_size,
+            delta=delta,
+            accountant=accountant,
+            pld_discretization=discretization,
+        )
+
+    eps_max = epsilon_at(MAX_NOISE_MULTIPLIER)
+    if eps_max > target_epsilon:
+        raise ValueError(
+            f"target_epsilon={target_epsilon} is unreachable: even noise_multiplier="
+            f"{MAX_NOISE_MULTIPLIER:g} gives epsilon={eps_max:.4g} at delta={delta} "
+            "(too many steps or too high a sampling rate)"
+        )
+    lo = 0.5
+    while epsilon_at(lo) <= target_epsilon:
+        if lo < 1e-2:
+            return scaled(lo)
+        lo /= 2
+    hi = min(2 * lo, MAX_NOISE_MULTIPLIER)
+    while epsilon_at(hi) > target_epsilon:
+        lo, hi = hi, min(2 * hi, MAX_NOISE_MULTIPLIER)
+    # Bisection in log space keeps `hi` admissible at every step, so the result is never
+    # above the target (Brent's method only promises to be near the root). The search uses a
+    # coarser PLD grid, which is pessimistic, so `hi` stays admissible at the fine grid too;
+    # the loop below checks it anyway.
+    while hi / lo > 1 + rtol:
+        mid = math.sqrt(lo * hi)
+        if epsilon_at(mid) <= target_epsilon:
+            hi = mid
+        else:
+            lo = mid
+    while epsilon_at(hi, PLD_DISCRETIZATION) > target_epsilon:
+        hi *= 1 + rtol
+    return scaled(hi)
+
+
+def overflow_probability(expected_batch_size: int, dataset_size: int, physical_batch_size: int) -> float:
+    """P[Binomial(N+1, q) > physical_batch_size]: one step's chance that the sampler truncates.
+
+    N+1 because the neighbouring dataset with one more example overflows more often."""
+    from scipy.stats import binom
+
+    q = sampling_rate(expected_batch_size, dataset_size)
+    return float(binom.sf(physical_batch_size, dataset_size + 1, q))
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LedgerStage:
+    """One stage as the ledger records it (all public numbers)."""
+
+    steps: int
+    expected_batch_size: int
+    noise_multiplier: float
+    sampling_rate: float
+    physical_batch_size: int | None = None
+
+    def __post_init__(self) -> None:
+        Stage(
+            steps=self.steps,
+            expected_batch_size=self.expected_batch_size,
+            noise_multiplier=self.noise_multiplier,
+        )
+        if not 0 < self.sampling_rate <= 1:
+            raise ValueError(f"sampling_rate must be in (0, 1], got {self.sampling_rate!r}")
+        if self.physical_batch_size is not None and (
+            not isinstance(self.physical_batch_size, int)
+            or self.physical_batch_size < self.expected_batch_size
+        ):
+            raise ValueError(
+                "physical_batch_size must be None or an integer >= expected_batch_size "
+                f"({self.expected_batch_size}), got {self.physical_batch_size!r}"
+            )
+
+    @property
+    def stage(self) -> Stage:
+        return Stage(
+            steps=self.steps,
+            expected_batch_size=self.expected_batch_size,
+            noise_multiplier=self.noise_multiplier,
+        )
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PrivacyLedger:
+    """Everything needed to recompute the guarantee of a DP-SGD run; JSON round-trips.
+
+    The guarantee is (epsilon(), delta + truncation_delta())-DP for add-or-remove-one
+    `privacy_unit`, with Poisson sampling at each stage's `sampling_rate`.
+    """
+
+    accountant: str
+    delta: float
+    dataset_size: int
+    clip_norm: float
+    stages: tuple[LedgerStage, ...]
+    target_epsilon: float | None = None
+    sampling: str = SAMPLING
+    privacy_unit: str = PRIVACY_UNIT
+    neighboring_relation: str = NEIGHBORING_RELATION
+
+    def __post_init__(self) -> None:
+        _check_accountant(self.accountant)
+        _check_delta(self.delta)
+        _check_dataset_size(self.dataset_size)
+        if not (isinstance(self.clip_norm, int | float) and self.clip_norm > 0):
+            raise ValueError(f"clip_norm must be > 0, got {self.clip_norm!r}")
+        if self.sampling != SAMPLING:
+            raise ValueError(
+                f"sampling must be {SAMPLING!r} (the only method the accountant models), "
+                f"got {self.sampling!r}"
+            )
+        if self.privacy_unit != PRIVACY_UNIT:
+            raise ValueError(f"privacy_unit must be {PRIVACY_UNIT!r}, got {self.privacy_unit!r}")
+        if self.neighboring_relation != NEIGHBORING_RELATION:
+            raise ValueError(
+                f"neighboring_relation must be {NEIGHBORING_RELATION!r}, "
+                f"got {self.neighboring_relation!r}"
+            )
+        if self.target_epsilon is not None and not self.target_epsilon > 0:
+            raise ValueError(f"target_epsilon must be None or > 0, got {self.target_epsilon!r}")
+        object.__setattr__(self, "stages", tuple(self.stages))
+        for i, s in enumerate(self.stages):
+            q = sampling_rate(s.expected_batch_size, self.dataset_size)
+            if not math.isclose(s.sampling_rate, q, rel_tol=1e-9):
+                raise ValueError(
+                    f"stages[{i}].sampling_rate={s.sampling_rate} does not equal "
+                    f"expected_batch_size / dataset_size = {q}"
+                )
+
+    @classmethod
+    def for_schedule(
+        cls,
+        schedule: BatchSchedule,
+        *,
+        dataset_size: int,
+        delta: float,
+        clip_norm: float,
+        accountant: str = "pld",
+        physical_batch_sizes: Sequence[int | None] | None = None,
+        target_epsilon: float | None = None,
+    ) -> PrivacyLedger:
+        physical = physical_batch_sizes or [None] * len(schedule.stages)
+        if len(physical) != len(schedule.stages):
+            raise ValueError(
+                f"physical_batch_sizes must have one entry per stage ({len(schedule.stages)}), "
+                f"got {len(physical)}"
+            )
+        stages = tuple(
+            LedgerStage(
+                steps=s.steps,
+                expected_batch_size=s.expected_batch_size,
+                noise_multiplier=s.noise_multiplier,
+                sampling_rate=sampling_rate(s.expected_batch_size, dataset_size),
+                physical_batch_size=p,
+            )
+            for s, p in zip(schedule.stages, physical, strict=True)
+        )
+        return cls(
+            accountant=accountant,
+            delta=delta,
+            dataset_size=dataset_size,
+            clip_norm=clip_norm,
+            stages=stages,
+            target_epsilon=target_epsilon,
+        )
+
+    @property
+    def schedule(self) -> BatchSchedule | None:
+        return BatchSchedule(stages=tuple(s.stage for s in self.stages)) if self.stages else None
+
+    @property
+    def total_steps(self) -> int:
+        return sum(s.steps for s in self.stages)
+
+    def epsilon(self) -> float:
+        """Epsilon at `delta` recomputed from the recorded stages (0.0 for no steps)."""
+        schedule = self.schedule
+        if schedule is None:
+            return 0.0
+        return compute_epsilon(
+            schedule, dataset_size=self.dataset_size, delta=self.delta, accountant=self.accountant
+        )
+
+    def stage_epsilons(self) -> list[float]:
+        """Epsilon of each stage alone at `delta` (a breakdown; they do not add up)."""
+        return [
+            compute_epsilon(
+                BatchSchedule(stages=(s.stage,)),
+                dataset_size=self.dataset_size,
+                delta=self.delta,
+                accountant=self.accountant,
+            )
+            for s in self.stages
+        ]
+
+    def truncation_probability(self) -> float:
+        """Probability that any step of the run truncated its Poisson sample (union bound)."""
+        return sum(
+            s.steps * overflow_probability(s.expected_batch_size, self.dataset_size, s.physical_batch_size)
+            for s in self.stages
+            if s.physical_batch_size is not None
+        )
+
+    def truncation_delta(self, epsilon: float | None = None) -> float:
+        """The delta that truncation adds: (1 + e^epsilon) * truncation_probability()."""
+        p = self.truncation_probability()
+        if p == 0:
+            return 0.0
+        eps = self.epsilon() if epsilon is None else epsilon
+        return min(1.0, (1 + math.exp(min(eps, 700.0))) * p)
+
+    def spent(self, steps: int) -> PrivacyLedger:
+        """The ledger of the first `steps` steps (what a checkpoint at that step has spent)."""
+        schedule = self.schedule
+        if schedule is None or steps == 0:
+            if steps != 0:
+                raise ValueError(f"steps must be 0 for an empty ledger, got {steps}")
+            return dataclasses.replace(self, stages=())
+        kept = schedule.truncated(steps)
+        stages = [] if kept is None else list(kept.stages)
+        return dataclasses.replace(
+            self,
+            stages=tuple(
+                dataclasses.replace(ls, steps=k.steps)
+                for ls, k in zip(self.stages, stages, strict=False)
+            ),
+        )
+
+    def extended(self, stages: Sequence[LedgerStage]) -> PrivacyLedger:
+        """This ledger continued by `stages`; refused (ValueError) if it breaks the budget."""
+        ledger = dataclasses.replace(self, stages=self.stages + tuple(stages))
+        ledger.check_budget()
+        return ledger
+
+    def check_budget(self, target_epsilon: float | None = None) -> float:
+        """Epsilon of the ledger; ValueError if it exceeds the target or truncation costs too much."""
+        target = self.target_epsilon if target_epsilon is None else target_epsilon
+        eps = self.epsilon()
+        if target is not None and eps > target:
+            raise ValueError(
+                f"privacy budget exceeded: epsilon={eps:.4g} > target_epsilon={target:g} at "
+                f"delta={self.delta:g} after {self.total_steps} steps; refuse to run this "
+                "configuration (raise noise_multiplier, or lower steps / expected_batch_size)"
+            )
+        extra = self.truncation_delta(eps)
+        if extra > MAX_TRUNCATION_DELTA_FRACTION * self.delta:
+            raise ValueError(
+                f"physical_batch_size too small: truncation adds delta {extra:.3g} > "
+                f"{MAX_TRUNCATION_DELTA_FRACTION:g} * delta; use sampling.physical_batch_size()"
+            )
+        return eps
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["stages"] = [dataclasses.asdict(s) for s in self.stages]
+        return d
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> PrivacyLedger:
+        fields = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(d) - fields
+        if unknown:
+            raise ValueError(f"unknown privacy ledger field(s): {sorted(unknown)}")
+        missing = {"accountant", "delta", "dataset_size", "clip_norm", "stages"} - set(d)
+        if missing:
+            raise ValueError(f"privacy ledger is missing field(s): {sorted(missing)}")
+        stage_fields = {f.name for f in dataclasses.fields(LedgerStage)}
+        stages = []
+        for i, s in enumerate(d["stages"]):
+            bad = set(s) - stage_fields
+            if bad:
+                raise ValueError(f"unknown field(s) in privacy ledger stages[{i}]: {sorted(bad)}")
+            stages.append(LedgerStage(**s))
+        return cls(**{**d, "stages": tuple(stages)})
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> PrivacyLedger:
+        return cls.from_dict(json.loads(text))

@@ -1,0 +1,180 @@
+"""Per-example clipped gradient *sum*, computed in micro-batches.
+
+Each example's whole gradient (all leaves together) is scaled to L2 norm at most `clip_norm`,
+then the clipped gradients are summed. Micro-batches of `microbatch_size` examples are
+vectorized with `vmap` and scanned with `lax.scan` inside one jitted computation, so memory
+is set by the micro-batch, not by the batch.
+
+Guarantees:
+- Sensitivity: adding or removing one example changes the sum by at most `clip_norm` in L2
+  norm (up to float rounding). The sum is never divided by anything here; the caller divides
+  by the public expected batch size after adding noise.
+- Padding rows (`is_padding`) contribute exactly zero, whatever their content.
+- An example whose loss or gradient is non-finite contributes exactly zero (it cannot poison
+  the sum or reveal itself through a NaN) and is counted in `ClipStats.num_nonfinite`.
+- Example i of the batch (global position `position_offset + i`) gets the key
+  `fold_in(rng, position_offset + i)`, so the result does not depend on `microbatch_size` or on
+  how the batch is split over devices (up to float summation order).
+- `ClipStats` are computed on private data: they are NOT covered by the DP guarantee.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+LossFn = Callable[[Any, Any, jax.Array], jax.Array]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class ClipStats:
+    """Non-private counts of one clipped sum (float32 scalars, so they psum and average)."""
+
+    num_examples: jax.Array  # real (non-padding) examples
+    num_clipped: jax.Array  # real, finite examples whose norm exceeded clip_norm
+    num_nonfinite: jax.Array  # real examples dropped for a non-finite loss or gradient
+    loss_sum: jax.Array  # sum of the finite losses of real examples
+
+
+def _global_norm(tree: Any) -> jax.Array:
+    """L2 norm of all leaves together, without overflow for huge finite gradients."""
+    leaves = [x.astype(jnp.float32) for x in jax.tree_util.tree_leaves(tree)]
+    # Scaling by the largest entry keeps the sum of squares finite for entries up to float max;
+    # inf and NaN entries still give a non-finite norm.
+    biggest = jnp.max(jnp.stack([jnp.max(jnp.abs(x)) for x in leaves]))
+    safe = jnp.where(biggest > 0, biggest, 1.0)
+    return safe * jnp.sqrt(sum(jnp.sum(jnp.square(x / safe)) for x in leaves))
+
+
+def _check_batch(batch: Any, is_padding: jax.Array, microbatch_size: int) -> int:
+    size = is_padding.shape[0]
+    for leaf in jax.tree_util.tree_leaves(batch):
+        if leaf.shape[:1] != (size,):
+            raise ValueError(
+                f"every batch leaf must have leading dimension {size} (is_padding's length), "
+                f"got shape {leaf.shape}"
+            )
+    if isinstance(microbatch_size, bool) or not isinstance(microbatch_size, int) or microbatch_size < 1:
+        raise ValueError(f"microbatch_size must be an integer >= 1, got {microbatch_size!r}")
+    if size % microbatch_size:
+        raise ValueError(
+            f"batch size {size} must be a multiple of microbatch_size={microbatch_size}"
+        )
+    return size // microbatch_size
+
+
+def _split_microbatches(tree: Any, num: int, size: int) -> Any:
+    return jax.tree_util.tree_map(lambda x: x.reshape((num, size) + x.shape[1:]), tree)
+
+
+def clipped_grad_sum(
+    loss_fn: LossFn,
+    params: Any,
+    batch: Any,
+    is_padding: jax.Array,
+    rng: jax.Array,
+    *,
+    clip_norm: float,
+    microbatch_size: int,
+    position_offset: int | jax.Array = 0,
+) -> tuple[Any, ClipStats]:
+    """Sum over real examples of clip(grad loss_fn(params, example, key_i), clip_norm).
+
+    `batch` is a pytree of arrays with leading dimension P (a multiple of microbatch_size);
+    `is_padding` is bool [P]. Returns (float32 pytree shaped like params, ClipStats).
+    """
+    if not clip_norm > 0:
+        raise ValueError(f"clip_norm must be > 0, got {clip_norm!r}")
+    num_micro = _check_batch(batch, is_padding, microbatch_size)
+    value_and_grad = jax.vmap(jax.value_and_grad(loss_fn), in_axes=(None, 0, 0))
+
+    def one_microbatch(carry: tuple[Any, ClipStats], xs: tuple[Any, jax.Array, jax.Array]):
+        total, stats = carry
+        examples, padding, index = xs
+        positions = position_offset + index * microbatch_size + jnp.arange(microbatch_size)
+        keys = jax.vmap(lambda p: jax.random.fold_in(rng, p))(positions)
+        losses, grads = value_and_grad(params, examples, keys)
+        norms = jax.vmap(_global_norm)(grads)
+        finite = jnp.isfinite(norms) & jnp.isfinite(losses)
+        real = ~padding
+        keep = real & finite
+        # C / norm is inf for a zero gradient; min(1, .) maps it to 1.
+        scale = jnp.where(keep, jnp.minimum(1.0, clip_norm / norms), 0.0)
+
+        def add(acc: jax.Array, g: jax.Array) -> jax.Array:
+            bshape = (microbatch_size,) + (1,) * (g.ndim - 1)
+            # where() before multiplying: 0 * NaN would still be NaN.
+            g = jnp.where(keep.reshape(bshape), g.astype(jnp.float32), 0.0)
+            return acc + jnp.sum(g * scale.reshape(bshape), axis=0)
+
+        total = jax.tree_util.tree_map(add, total, grads)
+        f32 = jnp.float32
+        stats = ClipStats(
+            num_examples=stats.num_examples + jnp.sum(real, dtype=f32),
+            num_clipped=stats.num_clipped + jnp.sum(keep & (norms > clip_norm), dtype=f32),
+            num_nonfinite=stats.num_nonfinite + jnp.sum(real & ~finite, dtype=f32),
+            loss_sum=stats.loss_sum + jnp.sum(jnp.where(keep, losses, 0.0), dtype=f32),
+        )
+        return (total, stats), None
+
+    zeros = jax.tree_util.tree_map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+    zero = jnp.zeros((), jnp.float32)
+    init = (zeros, ClipStats(num_examples=zero, num_clipped=zero, num_nonfinite=zero, loss_sum=zero))
+    xs = (
+        _split_microbatches(batch, num_micro, microbatch_size),
+        is_padding.reshape(num_micro, microbatch_size),
+        jnp.arange(num_micro),
+    )
+    (total, stats), _ = jax.lax.scan(one_microbatch, init, xs)
+    return total, stats
+
+
+def grad_sum(
+    loss_fn: LossFn,
+    params: Any,
+    batch: Any,
+    is_padding: jax.Array,
+    rng: jax.Array,
+    *,
+    microbatch_size: int,
+    position_offset: int | jax.Array = 0,
+) -> tuple[Any, ClipStats]:
+    """Non-private counterpart: gradient of the summed loss of real examples, no per-example
+    gradients and no clipping (the cost of ordinary training). Same keys per example as
+    `clipped_grad_sum`; `num_clipped` and `num_nonfinite` are zero."""
+    num_micro = _check_batch(batch, is_padding, microbatch_size)
+    per_example_loss = jax.vmap(loss_fn, in_axes=(None, 0, 0))
+
+    def one_microbatch(carry: tuple[Any, jax.Array], xs: tuple[Any, jax.Array, jax.Array]):
+        total, loss_total = carry
+        examples, padding, index = xs
+        positions = position_offset + index * microbatch_size + jnp.arange(microbatch_size)
+        keys = jax.vmap(lambda p: jax.random.fold_in(rng, p))(positions)
+
+        def summed(p: Any) -> jax.Array:
+            return jnp.sum(jnp.where(padding, 0.0, per_example_loss(p, examples, keys)))
+
+        loss, grads = jax.value_and_grad(summed)(params)
+        total = jax.tree_util.tree_map(lambda a, g: a + g.astype(jnp.float32), total, grads)
+        return (total, loss_total + loss.astype(jnp.float32)), None
+
+    zeros = jax.tree_util.tree_map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+    xs = (
+        _split_microbatches(batch, num_micro, microbatch_size),
+        is_padding.reshape(num_micro, microbatch_size),
+        jnp.arange(num_micro),
+    )
+    (total, loss_sum), _ = jax.lax.scan(one_microbatch, (zeros, jnp.zeros((), jnp.float32)), xs)
+    zero = jnp.zeros((), jnp.float32)
+    stats = ClipStats(
+        num_examples=jnp.sum(~is_padding, dtype=jnp.float32),
+        num_clipped=zero,
+        num_nonfinite=zero,
+        loss_sum=loss_sum,
+    )
+    return total, stats

@@ -1,0 +1,34 @@
+"""Keys of a DP-SGD step: everything random in step t derives from fold_in(run_key, t).
+
+The step key is split by `fold_in` with fixed constants into a sampling key (which examples
+join the batch), an example key (per-example masking and dropout: example i of the physical
+batch gets fold_in(example_key, i)) and a noise key (the Gaussian noise on the summed
+gradient).
+
+Guarantees: the keys of step t depend only on (run_key, t), so a resumed run replays step t
+exactly and spends nothing twice; per-example keys depend on the example's global position
+only, so results do not change with micro-batch size or device count.
+"""
+
+from __future__ import annotations
+
+import jax
+
+SAMPLING = 0
+EXAMPLE = 1
+NOISE = 2
+
+
+def step_key(run_key: jax.Array, step: int | jax.Array) -> jax.Array:
+    """The key of global step `step`."""
+    return jax.random.fold_in(run_key, step)
+
+
+def example_key(key_of_step: jax.Array) -> jax.Array:
+    """Parent of the per-example keys (masking, dropout) of a step."""
+    return jax.random.fold_in(key_of_step, EXAMPLE)
+
+
+def noise_key(key_of_step: jax.Array) -> jax.Array:
+    """Key of the Gaussian noise added to a step's clipped gradient sum."""
+    return jax.random.fold_in(key_of_step, NOISE)
