@@ -344,6 +344,28 @@ def test_two_guarantees_pretraining_and_task_data(hf_model_dir: Path, tmp_path: 
     assert len(problems) == 1 and "'fine-tuning'" in problems[0]
 
 
+def test_truncation_delta_is_stated_and_checked(hf_model_dir: Path, tmp_path: Path) -> None:
+    from dpbert.privacy.accounting import PrivacyLedger
+
+    ledger = _ledger()
+    ledger["stages"][0]["physical_batch_size"] = 110  # the sampler may truncate: that adds to delta
+    meta = ReleaseMetadata(
+        guarantees=(Guarantee.from_ledger(scope="pretraining", data="sotu", ledger=ledger),),
+        vocabulary_origin="public",
+        vocabulary_covered=True,
+    )
+    out = write_release(tmp_path / "t", model=hf_model_dir, meta=meta, info=_info())
+    expected = PrivacyLedger.from_dict(ledger).truncation_delta()
+    assert 1e-7 < expected < 1e-4  # P[Binomial(1001, 0.064) > 110] per step, times 20 steps, times (1 + e^eps)
+    matter = read_front_matter(out / "README.md")
+    assert matter["differential_privacy"]["guarantees"][0]["truncation_delta"] == pytest.approx(expected, rel=1e-9)
+    assert verify_folder(out).ok
+    del matter["differential_privacy"]["guarantees"][0]["truncation_delta"]
+    (out / "README.md").write_text("---\n" + yaml.safe_dump(matter) + "---\n")
+    (problem,) = verify_folder(out).problems
+    assert "truncation_delta for 'pretraining' is 0.0" in problem
+
+
 # ---- push and pull through the real huggingface_hub client against a local Hub ----
 
 

@@ -3,7 +3,8 @@
 The YAML front matter is built here as data (so it is always valid YAML that
 `huggingface_hub.ModelCard.load` parses): `library_name: transformers`, `pipeline_tag: fill-mask`,
 tags, a `differential_privacy` block with every guarantee (scope, data, private, epsilon (`.inf` when not
-private), delta, accountant, privacy_unit, sampling, dataset_size) and a `model-index` entry with the
+private), delta, accountant, privacy_unit, sampling, dataset_size, and truncation_delta when Poisson
+samples were truncated) and a `model-index` entry with the
 held-out masked-LM accuracy. The body comes from a Jinja2 template. A release that is not private gets
 no `differential-privacy`/`dp-sgd` tags and says plainly that epsilon is infinity.
 """

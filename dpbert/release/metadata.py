@@ -54,44 +54,25 @@ def epsilon_from_json(value: Any, where: str) -> float:
 
 
 def recompute_epsilon(ledger: Mapping[str, Any]) -> float:
-    """Epsilon of a ledger dict, recomputed from its stages with its own accountant at its own delta.
-
-    Cached per ledger content: a PLD recomputation takes seconds and verify/push/pull repeat it.
+    """Epsilon of a ledger dict, recomputed by `PrivacyLedger.from_dict(ledger).epsilon()`: from its
+    stages (Poisson sampling rate, noise multiplier, steps) with its own accountant at its own delta.
     """
-    return _recompute_epsilon_cached(json.dumps(ledger, sort_keys=True))
+    return _recompute(json.dumps(ledger, sort_keys=True))[0]
+
+
+def recompute_truncation_delta(ledger: Mapping[str, Any]) -> float:
+    """The delta that Poisson-sample truncation adds to the ledger's delta (0 when nothing truncates)."""
+    return _recompute(json.dumps(ledger, sort_keys=True))[1]
 
 
 @functools.lru_cache(maxsize=64)
-def _recompute_epsilon_cached(ledger_json: str) -> float:
-    ledger = json.loads(ledger_json)
-    return _epsilon_of(ledger)
+def _recompute(ledger_json: str) -> tuple[float, float]:
+    # Cached per ledger content: a PLD recomputation takes seconds and verify/push/pull repeat it.
+    from dpbert.privacy.accounting import PrivacyLedger
 
-
-def _epsilon_of(ledger: Mapping[str, Any]) -> float:
-    """Every stage is a Poisson-subsampled Gaussian mechanism self-composed `steps` times
-    (`SelfComposedDpEvent`, never step by step); the stages compose in order."""
-    import dp_accounting
-    from dp_accounting.pld import pld_privacy_accountant
-    from dp_accounting.rdp import rdp_privacy_accountant
-
-    accountants = {"pld": pld_privacy_accountant.PLDAccountant, "rdp": rdp_privacy_accountant.RdpAccountant}
-    name = ledger.get("accountant")
-    if name not in accountants:
-        raise ValueError(f"ledger.accountant: expected one of {sorted(accountants)}, got {name!r}")
-    events = []
-    for i, stage in enumerate(ledger.get("stages") or ()):
-        sigma, q, steps = float(stage["noise_multiplier"]), float(stage["sampling_rate"]), int(stage["steps"])
-        if sigma <= 0:
-            return math.inf
-        if not 0 < q <= 1 or steps < 0:
-            raise ValueError(f"ledger.stages[{i}]: expected 0 < sampling_rate <= 1 and steps >= 0, got {q}, {steps}")
-        gaussian = dp_accounting.GaussianDpEvent(sigma)
-        events.append(dp_accounting.SelfComposedDpEvent(dp_accounting.PoissonSampledDpEvent(q, gaussian), steps))
-    if not events:
-        raise ValueError("ledger.stages: expected at least one stage")
-    accountant = accountants[name]()
-    accountant.compose(dp_accounting.ComposedDpEvent(events))
-    return float(accountant.get_epsilon(float(ledger["delta"])))
+    ledger = PrivacyLedger.from_dict(json.loads(ledger_json))
+    epsilon = float(ledger.epsilon())
+    return epsilon, float(ledger.truncation_delta(epsilon)) if math.isfinite(epsilon) else 0.0
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -138,6 +119,10 @@ class Guarantee:
     def accountant(self) -> str | None:
         return None if self.ledger is None else str(self.ledger["accountant"])
 
+    @property
+    def truncation_delta(self) -> float:
+        return 0.0 if self.ledger is None or not self.private else recompute_truncation_delta(self.ledger)
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "scope": self.scope,
@@ -158,6 +143,8 @@ class Guarantee:
                 sampling=self.ledger.get("sampling", "poisson"),
                 dataset_size=self.ledger.get("dataset_size"),
             )
+            if self.truncation_delta > 0:
+                out["truncation_delta"] = self.truncation_delta
         return out
 
 

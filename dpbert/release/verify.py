@@ -6,7 +6,8 @@ rate, noise multiplier and steps, at the ledger's delta, with the ledger's accou
 
 - the epsilon `privacy.json` states for that guarantee,
 - the card's front matter (`README.md`: `differential_privacy.guarantees`, matched by scope; delta,
-  accountant and privacy unit must equal the ledger's too),
+  accountant and privacy unit must equal the ledger's too, and `truncation_delta`, the delta that
+  truncating Poisson samples adds, must match its recomputation),
 - `config.json`'s `differential_privacy` copy.
 
 A guarantee without a ledger is non-private: epsilon must be infinity everywhere. The release-level
@@ -31,6 +32,7 @@ from dpbert.release.metadata import (
     guarantees_from_json,
     read_privacy_json,
     recompute_epsilon,
+    recompute_truncation_delta,
 )
 
 DEFAULT_RTOL = 1e-3
@@ -153,6 +155,15 @@ def _compare_copy(
             )
             if not same:
                 problems.append(f"{where}: {key} for '{scope}' is {value!r} but {PRIVACY_FILE} has {expected!r}")
+        truncation = recompute_truncation_delta(ledger) if check.private else 0.0
+        stated_truncation = entry.get("truncation_delta", 0.0)
+        if not (
+            isinstance(stated_truncation, (int, float))
+            and math.isclose(float(stated_truncation), truncation, rel_tol=rtol)
+        ):
+            problems.append(
+                f"{where}: truncation_delta for '{scope}' is {stated_truncation!r} but the ledger gives {truncation:g}"
+            )
     return problems
 
 
