@@ -407,7 +407,7 @@ def _files_containing(root: Path, needle: bytes) -> list[Path]:
 
 
 def test_push_pull_offline_and_token_hygiene(release: Path, tmp_path: Path, monkeypatch, capsys) -> None:
-    from dpbert.release import push
+    from dpbert.release import pull, push
 
     hf_home = tmp_path / "hf_home"
     repo = "dpbert-test/tiny-dp"
@@ -420,7 +420,7 @@ def test_push_pull_offline_and_token_hygiene(release: Path, tmp_path: Path, monk
             "HF_HUB_DISABLE_TELEMETRY": "1",
         }
         online = [
-            f"push {release} --repo-id {repo}",
+            f"push {release} --repo-id {repo} --private",
             f"push {release} --repo-id {repo} --revision v1",
             f"pull {repo}",
             f"verify {repo} --revision v1",
@@ -429,8 +429,8 @@ def test_push_pull_offline_and_token_hygiene(release: Path, tmp_path: Path, monk
         assert [results[c][0] for c in online] == [0, 0, 0, 0], err_online
         assert f"/{repo}/commit/" in results[online[0]][1]
         assert hub.repos[repo].branches.keys() == {"main", "v1"}
-        writes = [r for r in hub.requests if r.method == "POST"]
-        assert len(writes) >= 7 and all(r.authorization == f"Bearer {TOKEN}" for r in writes)
+        assert hub.repos[repo].private  # Hub visibility; reads below need the token too
+        assert len(hub.requests) >= 12 and all(r.authorization == f"Bearer {TOKEN}" for r in hub.requests)
         local = Path(results[online[2]][1].strip())
         assert hf_home in local.parents
         for name in ("config.json", "model.safetensors", "privacy.json", "README.md", "vocab.txt"):
@@ -443,6 +443,8 @@ def test_push_pull_offline_and_token_hygiene(release: Path, tmp_path: Path, monk
         results, out_offline, err_offline = _run_cli(offline, {**env, "HF_HUB_OFFLINE": "1"})
         assert results[offline[0]] == (0, f"{local}\n"), err_offline
         assert results[offline[1]][0] == 1 and "not in the Hugging Face cache" in err_offline
+        with pytest.raises(FileNotFoundError, match="no such folder, and not a Hub repo id"):
+            pull(tmp_path / "no" / "such" / "folder")
         assert len(hub.requests) == n_requests
 
         # A folder whose metadata does not verify is refused before anything is sent.

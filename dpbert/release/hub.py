@@ -96,6 +96,8 @@ def pull(
     the problems; missing metadata counts as a failure.
     """
     path = Path(repo_id_or_path).expanduser()
+    if not path.is_dir() and not _REPO_ID.match(str(repo_id_or_path)):
+        raise FileNotFoundError(f"{str(repo_id_or_path)!r}: no such folder, and not a Hub repo id ORG/NAME")
     folder = path if path.is_dir() else _download(str(repo_id_or_path), revision)
     if verify:
         from dpbert.release.verify import verify_folder
