@@ -63,7 +63,7 @@ def _write_text(path: Path, text: str) -> None:
         raise
 
 
-def _copy_model(model: Path | SavesPretrained, dest: Path) -> None:
+def _copy_model(model: str | os.PathLike[str] | SavesPretrained, dest: Path) -> None:
     if isinstance(model, (str, os.PathLike)):
         src = Path(model)
         if not (src / "config.json").is_file():
@@ -109,7 +109,7 @@ def write_release(
     tmp = out.parent / f".{out.name}.export-{uuid.uuid4().hex[:8]}"
     tmp.mkdir()
     try:
-        _copy_model(model if not isinstance(model, str) else Path(model), tmp)
+        _copy_model(model, tmp)
         _copy_tokenizer(None if tokenizer_dir is None else Path(tokenizer_dir), tmp)
         config_path = tmp / "config.json"
         config = json.loads(config_path.read_text())

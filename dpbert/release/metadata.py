@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 import json
 import math
 from collections.abc import Mapping, Sequence
@@ -176,8 +177,6 @@ class ReleaseMetadata:
     def to_dict(self) -> dict[str, Any]:
         recipe = None
         if self.recipe_content is not None:
-            import hashlib
-
             recipe = {
                 "name": self.recipe_name,
                 "sha256": hashlib.sha256(self.recipe_content.encode()).hexdigest(),
