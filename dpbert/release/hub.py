@@ -81,7 +81,8 @@ def _download(repo_id: str, revision: str | None) -> Path:
         raise FileNotFoundError(f"{repo_id!r}: no such local folder or Hub repo (or no access to it)") from err
     except LocalEntryNotFoundError as err:
         raise FileNotFoundError(
-            f"{repo_id!r}: not in the Hugging Face cache and the Hub is not reachable (offline?): {err}"
+            f"{repo_id!r}: not in the Hugging Face cache and the Hub is not reachable (offline?); run "
+            f"`dpbert pull {repo_id}` where the Hub is reachable, or pass a local folder ({err})"
         ) from err
     except HfHubHTTPError as err:
         raise ValueError(f"{repo_id!r}: the Hub answered {err}") from err
