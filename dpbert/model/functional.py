@@ -1,0 +1,114 @@
+"""Pure functional view of the dpbert BERT models, for the DP core and the trainers.
+
+API (all functions are pure: jit-, grad- and vmap-friendly)::
+
+    graphdef, params = split_params(model)   # params: nnx.State pytree whose leaves are nnx.Param (float32)
+    model = merge(graphdef, params)          # a new module sharing nothing mutable with the old one
+
+    mlm_logits(graphdef, params, input_ids, attention_mask=None, token_type_ids=None,
+               dropout_rng=None, *, masked_positions=None)      -> [B, L, V]  ([B, P, V] at masked_positions)
+    classifier_logits(graphdef, params, input_ids, attention_mask=None, token_type_ids=None,
+                      dropout_rng=None)                          -> [B, num_labels]
+    hidden_states(graphdef, params, input_ids, attention_mask=None, token_type_ids=None,
+                  dropout_rng=None)                              -> [B, L, H] (last encoder layer)
+
+``input_ids`` / ``attention_mask`` / ``token_type_ids`` are int arrays [B, L], or [L] for one
+example, in which case the output has no batch axis either. That is the per-example form the
+DP core vmaps, with params unbatched and one dropout key per example::
+
+    per_example = jax.vmap(
+        lambda ids, mask, types, key: mlm_logits(graphdef, params, ids, mask, types, key),
+    )
+
+``dropout_rng=None`` runs in inference mode; with a key, every dropout site draws from
+``fold_in`` of it (see ``dpbert.model.bert``), so the same key reproduces the same output.
+``graphdef`` is hashable static structure and a pytree without leaves: close over it, bind it
+with ``functools.partial``, or pass it straight through ``jax.jit``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from dpbert.model.bert import BertForMaskedLM, BertForSequenceClassification, BertModel
+
+
+def split_params(model: nnx.Module) -> tuple[nnx.GraphDef, nnx.State]:
+    """Split a dpbert model into its static graph definition and its parameter pytree."""
+    return nnx.split(model, nnx.Param)
+
+
+def merge(graphdef: nnx.GraphDef, params: nnx.State) -> Any:
+    """Rebuild the module from ``split_params`` output."""
+    return nnx.merge(graphdef, params)
+
+
+def _batched(input_ids: Any, attention_mask: Any, token_type_ids: Any) -> tuple[jax.Array, Any, Any, bool]:
+    input_ids = jnp.asarray(input_ids)
+    single = input_ids.ndim == 1
+
+    def add_axis(x: Any) -> Any:
+        return None if x is None else jnp.asarray(x)[None] if single else jnp.asarray(x)
+
+    return add_axis(input_ids), add_axis(attention_mask), add_axis(token_type_ids), single
+
+
+def _expect(model: Any, kind: type, fn: str) -> None:
+    if not isinstance(model, kind):
+        raise ValueError(f"{fn}: graphdef is a {type(model).__name__}, expected {kind.__name__}")
+
+
+def mlm_logits(
+    graphdef: nnx.GraphDef,
+    params: nnx.State,
+    input_ids: jax.Array,
+    attention_mask: jax.Array | None = None,
+    token_type_ids: jax.Array | None = None,
+    dropout_rng: jax.Array | None = None,
+    *,
+    masked_positions: jax.Array | None = None,
+) -> jax.Array:
+    """Masked-LM logits of a ``BertForMaskedLM`` (compute dtype of the model)."""
+    model = merge(graphdef, params)
+    _expect(model, BertForMaskedLM, "mlm_logits")
+    ids, mask, types, single = _batched(input_ids, attention_mask, token_type_ids)
+    if masked_positions is not None and single:
+        masked_positions = jnp.asarray(masked_positions)[None]
+    logits = model(ids, mask, types, dropout_rng=dropout_rng, masked_positions=masked_positions).logits
+    return logits[0] if single else logits
+
+
+def classifier_logits(
+    graphdef: nnx.GraphDef,
+    params: nnx.State,
+    input_ids: jax.Array,
+    attention_mask: jax.Array | None = None,
+    token_type_ids: jax.Array | None = None,
+    dropout_rng: jax.Array | None = None,
+) -> jax.Array:
+    """Logits [B, num_labels] of a ``BertForSequenceClassification`` (num_labels == 1: regression)."""
+    model = merge(graphdef, params)
+    _expect(model, BertForSequenceClassification, "classifier_logits")
+    ids, mask, types, single = _batched(input_ids, attention_mask, token_type_ids)
+    logits = model(ids, mask, types, dropout_rng=dropout_rng).logits
+    return logits[0] if single else logits
+
+
+def hidden_states(
+    graphdef: nnx.GraphDef,
+    params: nnx.State,
+    input_ids: jax.Array,
+    attention_mask: jax.Array | None = None,
+    token_type_ids: jax.Array | None = None,
+    dropout_rng: jax.Array | None = None,
+) -> jax.Array:
+    """Last encoder layer [B, L, H] of any dpbert BERT (the encoder of a model with a head)."""
+    model = merge(graphdef, params)
+    encoder = model if isinstance(model, BertModel) else model.bert
+    ids, mask, types, single = _batched(input_ids, attention_mask, token_type_ids)
+    states = encoder(ids, mask, types, dropout_rng=dropout_rng).last_hidden_state
+    return states[0] if single else states

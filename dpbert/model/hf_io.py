@@ -1,0 +1,265 @@
+"""Hugging Face BERT folders <-> dpbert NNX models: the one weight-name mapping.
+
+A dpbert parameter path is the Hugging Face name with the Flax leaf name:
+``("bert", "encoder", "layer", 0, "attention", "self", "query", "kernel")`` is
+``bert.encoder.layer.0.attention.self.query.weight``. Leaf renames: Linear ``kernel`` [in, out]
+<-> ``weight`` [out, in] (transposed), Embed ``embedding`` and LayerNorm ``scale`` <-> ``weight``,
+``bias`` <-> ``bias``.
+
+Guarantees:
+- Loading accepts checkpoints with or without the ``bert.`` prefix (a bare ``BertModel`` save),
+  old ``LayerNorm.gamma``/``beta`` names, ``model.safetensors``, a sharded
+  ``model.safetensors.index.json`` or ``pytorch_model.bin`` (needs torch). Weights are stored in
+  float32 whatever the checkpoint dtype.
+- Only head weights (``cls.*``, ``classifier.*``, the pooler) may be missing: they keep their
+  fresh initialisation and a ``UserWarning`` names them. A missing encoder weight or any shape
+  mismatch is a ``ValueError`` naming the file, the parameter and expected vs found shapes.
+- ``save_pretrained`` writes exactly the tensors transformers saves for the same class
+  (tied decoder omitted), so ``transformers`` loads them with nothing missing or unexpected.
+  A new folder appears whole (written in a temporary sibling, then renamed); in an existing
+  folder each file is replaced atomically and other files (e.g. a tokenizer) are kept.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import tempfile
+import warnings
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from transformers import BertConfig
+
+CONFIG_NAME = "config.json"
+SAFE_WEIGHTS_NAME = "model.safetensors"
+SAFE_WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
+TORCH_WEIGHTS_NAME = "pytorch_model.bin"
+
+# Weights a checkpoint may lack: they are initialised fresh (with a warning), as transformers does.
+_HEAD_PREFIXES = ("cls.", "classifier.", "pooler.", "bert.pooler.")
+# Checkpoint entries that are buffers, not parameters: never reported as unexpected.
+_BUFFERS = re.compile(r"(^|\.)embeddings\.(position_ids|token_type_ids)$")
+_LEAF_TO_HF = {"kernel": "weight", "embedding": "weight", "scale": "weight", "bias": "bias"}
+
+
+def resolve_model_path(path_or_id: str | os.PathLike[str]) -> Path:
+    """Return the local model folder for ``path_or_id``.
+
+    A local folder is returned as is. Anything else is a Hub id, resolved by
+    ``dpbert.release.hub.resolve_pretrained``: downloaded through the Hugging Face cache (offline
+    from the cache), and verified when it makes a privacy claim; FileNotFoundError says how to fetch it.
+    """
+    path = Path(path_or_id).expanduser()
+    if path.is_dir():
+        return path
+    if path.exists():
+        raise ValueError(f"{path}: expected a model folder (config.json + weights), found a file")
+    from dpbert.release.hub import resolve_pretrained
+
+    return resolve_pretrained(str(path_or_id))
+
+
+def load_config(folder: str | os.PathLike[str]) -> BertConfig:
+    """Read ``folder/config.json`` as a BertConfig; FileNotFoundError / ValueError name the file."""
+    config_path = Path(folder) / CONFIG_NAME
+    if not config_path.is_file():
+        raise FileNotFoundError(f"{config_path}: no config.json in model folder {folder}")
+    try:
+        data = json.loads(config_path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{config_path}: not valid JSON ({err})") from err
+    if not isinstance(data, dict) or data.get("model_type") != "bert":
+        found = data.get("model_type") if isinstance(data, dict) else type(data).__name__
+        raise ValueError(f"{config_path}: model_type is {found!r}, expected 'bert' (dpbert loads BERT checkpoints only)")
+    return BertConfig.from_dict(data)
+
+
+def _normalise_key(key: str) -> str:
+    # Checkpoints converted from the original TF BERT name LayerNorm parameters gamma/beta.
+    if key.endswith("LayerNorm.gamma"):
+        return key[: -len("gamma")] + "weight"
+    if key.endswith("LayerNorm.beta"):
+        return key[: -len("beta")] + "bias"
+    return key
+
+
+def _read_safetensors(path: Path) -> dict[str, np.ndarray]:
+    from safetensors import safe_open
+
+    # The flax framework reads bfloat16/float16 checkpoints too (numpy has no bfloat16).
+    with safe_open(str(path), framework="flax") as f:
+        return {key: np.asarray(f.get_tensor(key), dtype=np.float32) for key in f.keys()}
+
+
+def _read_torch_bin(path: Path) -> dict[str, np.ndarray]:
+    try:
+        import torch
+    except ImportError as err:
+        raise ImportError(
+            f"{path}: reading pytorch_model.bin needs torch (pip install 'dpbert[interop]'); "
+            "or convert the folder to model.safetensors"
+        ) from err
+    state = torch.load(str(path), map_location="cpu", weights_only=True)
+    return {key: value.detach().float().numpy() for key, value in state.items() if torch.is_floating_point(value)}
+
+
+def read_state_dict(folder: str | os.PathLike[str]) -> tuple[dict[str, np.ndarray], Path]:
+    """The checkpoint's float tensors (float32, Hugging Face names) and the weights file read."""
+    folder = Path(folder)
+    safe = folder / SAFE_WEIGHTS_NAME
+    index = folder / SAFE_WEIGHTS_INDEX_NAME
+    torch_bin = folder / TORCH_WEIGHTS_NAME
+    if safe.is_file():
+        state, source = _read_safetensors(safe), safe
+    elif index.is_file():
+        shards = sorted(set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values()))
+        state, source = {}, index
+        for shard in shards:
+            state.update(_read_safetensors(folder / shard))
+    elif torch_bin.is_file():
+        state, source = _read_torch_bin(torch_bin), torch_bin
+    else:
+        raise FileNotFoundError(
+            f"{folder}: no weights file (looked for {SAFE_WEIGHTS_NAME}, {SAFE_WEIGHTS_INDEX_NAME}, {TORCH_WEIGHTS_NAME})"
+        )
+    return {_normalise_key(k): v for k, v in state.items()}, source
+
+
+def hf_name(path: tuple[Any, ...]) -> str:
+    """Hugging Face parameter name of an nnx state path."""
+    *module, leaf = (str(p) for p in path)
+    if leaf not in _LEAF_TO_HF:
+        raise ValueError(f"{'.'.join(map(str, path))}: no Hugging Face name for parameter leaf {leaf!r}")
+    return ".".join([*module, _LEAF_TO_HF[leaf]])
+
+
+def _hf_layout(path: tuple[Any, ...], value: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(value.T) if path[-1] == "kernel" else value
+
+
+def _hf_shape(path: tuple[Any, ...], shape: tuple[int, ...]) -> tuple[int, ...]:
+    return tuple(shape[::-1]) if path[-1] == "kernel" else tuple(shape)
+
+
+def _model_params(model: nnx.Module) -> dict[str, tuple[tuple[Any, ...], nnx.Variable]]:
+    return {hf_name(path): (path, var) for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+
+
+def to_hf_state(model: nnx.Module) -> dict[str, np.ndarray]:
+    """The model's parameters as float32 numpy arrays under Hugging Face names and layouts."""
+    return {
+        name: _hf_layout(path, np.asarray(var[...], dtype=np.float32))
+        for name, (path, var) in _model_params(model).items()
+    }
+
+
+def _align_prefix(state: Mapping[str, np.ndarray], prefix: str | None) -> dict[str, np.ndarray]:
+    """Rename checkpoint keys to the model's naming: add or strip the ``bert.`` base prefix."""
+    has_prefix = any(k.startswith("bert.") for k in state)
+    if prefix and not has_prefix:  # a bare BertModel checkpoint loaded into a model with a head
+        return {k if k.startswith(("cls.", "classifier.")) else f"{prefix}.{k}": v for k, v in state.items()}
+    if not prefix and has_prefix:  # a checkpoint with a head loaded into a bare BertModel
+        return {(k[len("bert.") :] if k.startswith("bert.") else k): v for k, v in state.items()}
+    return dict(state)
+
+
+def load_hf_state(model: nnx.Module, state: Mapping[str, np.ndarray], source: str | os.PathLike[str]) -> list[str]:
+    """Copy ``state`` (Hugging Face names) into ``model``; return the names left initialised.
+
+    Raises ValueError naming ``source`` for missing encoder weights or any shape mismatch.
+    """
+    state = _align_prefix(state, getattr(model, "base_model_prefix", None))
+    # A tied checkpoint may also carry the decoder bias under its tied alias.
+    if "cls.predictions.bias" not in state and "cls.predictions.decoder.bias" in state:
+        state["cls.predictions.bias"] = state.pop("cls.predictions.decoder.bias")
+    params = _model_params(model)
+    tied = getattr(model, "cls", None) is not None and model.cls.predictions.decoder is None
+    ignored = {"cls.predictions.decoder.weight", "cls.predictions.decoder.bias"} if tied else set()
+
+    missing = [name for name in params if name not in state]
+    fatal = [name for name in missing if not name.startswith(_HEAD_PREFIXES)]
+    if fatal:
+        shown = ", ".join(fatal[:8]) + (f" ... ({len(fatal)} in all)" if len(fatal) > 8 else "")
+        raise ValueError(f"{source}: missing weights for {shown}; is this a BERT checkpoint for this config?")
+    mismatched = []
+    for name, (path, var) in params.items():
+        if name in state:
+            expected = _hf_shape(path, var[...].shape)
+            if tuple(state[name].shape) != expected:
+                mismatched.append(f"{name}: expected shape {expected}, found {tuple(state[name].shape)}")
+    if mismatched:
+        raise ValueError(f"{source}: weights do not match config.json: " + "; ".join(mismatched))
+
+    updates = [
+        (path, var.replace(jnp.asarray(_hf_layout(path, state[name]))))
+        for name, (path, var) in params.items()
+        if name in state
+    ]
+    nnx.update(model, nnx.from_flat_state(updates))
+
+    unexpected = sorted(k for k in state if k not in params and k not in ignored and not _BUFFERS.search(k))
+    if unexpected:
+        warnings.warn(f"{source}: ignored weights not used by {type(model).__name__}: {', '.join(unexpected)}", stacklevel=4)
+    if missing:
+        warnings.warn(
+            f"{source}: {type(model).__name__} weights not in the checkpoint were newly initialised: "
+            f"{', '.join(missing)}. Train them before use.",
+            stacklevel=4,
+        )
+    return missing
+
+
+def from_pretrained(cls: type, path_or_id: str | os.PathLike[str], *, dtype: Any, seed: int, **config_overrides: Any):
+    """Build ``cls`` from a Hugging Face BERT folder (see ``load_hf_state`` for what may be missing)."""
+    folder = resolve_model_path(path_or_id)
+    config = load_config(folder)
+    for field, value in config_overrides.items():
+        if not hasattr(config, field):
+            raise ValueError(f"{field}: not a BertConfig field (config overrides must name existing fields)")
+        setattr(config, field, value)
+    model = cls(config, rngs=nnx.Rngs(seed), dtype=dtype)
+    state, source = read_state_dict(folder)
+    load_hf_state(model, state, source)
+    return model
+
+
+def _write_folder(folder: Path, config: BertConfig, state: dict[str, np.ndarray]) -> None:
+    from safetensors.numpy import save_file
+
+    config.to_json_file(str(folder / CONFIG_NAME), use_diff=True)
+    # transformers refuses safetensors files without a known "format" in the metadata.
+    save_file(state, str(folder / SAFE_WEIGHTS_NAME), metadata={"format": "pt"})
+
+
+def save_pretrained(model: nnx.Module, path: str | os.PathLike[str]) -> None:
+    """Write ``config.json`` + ``model.safetensors`` that transformers loads for the same class."""
+    target = Path(path)
+    config = model.config
+    config.architectures = [type(model).__name__]
+    state = to_hf_state(model)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    if target.exists() and not target.is_dir():
+        raise ValueError(f"{target}: exists and is not a folder")
+    if not target.exists():
+        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent))
+        try:
+            _write_folder(tmp, config, state)
+            os.replace(tmp, target)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        return
+    tmp = Path(tempfile.mkdtemp(prefix=".save.", suffix=".tmp", dir=target))
+    try:
+        _write_folder(tmp, config, state)
+        for name in (CONFIG_NAME, SAFE_WEIGHTS_NAME):
+            os.replace(tmp / name, target / name)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
