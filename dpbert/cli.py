@@ -12,6 +12,34 @@ from collections.abc import Callable, Sequence
 
 import dpbert
 
+def _add_demo(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "demo",
+        help="serve the Gradio fill-mask demo (DP and non-private side by side)",
+        description="Serve the fill-mask demo; each model is labelled with its verified epsilon.",
+    )
+    p.add_argument("models", nargs="+", metavar="MODEL", help="model folder or Hub id (ORG/NAME)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
+    p.add_argument("--port", type=int, default=None, help="port (default: 7860 or the next free)")
+    p.add_argument("--share", action="store_true", help="also open a public Gradio share link")
+    p.add_argument("--top-k", type=int, default=5, help="predictions per mask (default: 5)")
+    p.add_argument("--concurrency", type=int, default=1, help="requests served at once (default: 1)")
+
+    def run(args: argparse.Namespace) -> None:
+        from dpbert.demo.app import serve
+
+        serve(
+            args.models,
+            host=args.host,
+            port=args.port,
+            share=args.share,
+            top_k=args.top_k,
+            concurrency_limit=args.concurrency,
+        )
+
+    p.set_defaults(func=run)
+
+
 def _add_export(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "export",
@@ -105,7 +133,7 @@ def _add_verify(sub: argparse._SubParsersAction) -> None:
 
 def _commands() -> list[Callable[..., None]]:
     """Subcommands in the order `dpbert --help` lists them (only ones that work)."""
-    return [_add_export, _add_push, _add_pull, _add_verify]
+    return [_add_export, _add_push, _add_pull, _add_verify, _add_demo]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -68,6 +68,14 @@ def _check_batch(batch: Any, is_padding: jax.Array, microbatch_size: int) -> int
     return size // microbatch_size
 
 
+def _zero_like_batch(is_padding: jax.Array) -> jax.Array:
+    """A float32 zero that varies over the same mesh axes as the batch.
+
+    Inside shard_map the scan carry must have the same per-device variance as the per-example
+    sums added to it; deriving the zero from the batch gives it that, on or off a mesh."""
+    return jnp.sum(is_padding[:0], dtype=jnp.float32)
+
+
 def _split_microbatches(tree: Any, num: int, size: int) -> Any:
     return jax.tree_util.tree_map(lambda x: x.reshape((num, size) + x.shape[1:]), tree)
 
@@ -122,8 +130,8 @@ def clipped_grad_sum(
         )
         return (total, stats), None
 
-    zeros = jax.tree_util.tree_map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
-    zero = jnp.zeros((), jnp.float32)
+    zero = _zero_like_batch(is_padding)
+    zeros = jax.tree_util.tree_map(lambda p: jnp.zeros(p.shape, jnp.float32) + zero, params)
     init = (zeros, ClipStats(num_examples=zero, num_clipped=zero, num_nonfinite=zero, loss_sum=zero))
     xs = (
         _split_microbatches(batch, num_micro, microbatch_size),
@@ -163,14 +171,14 @@ def grad_sum(
         total = jax.tree_util.tree_map(lambda a, g: a + g.astype(jnp.float32), total, grads)
         return (total, loss_total + loss.astype(jnp.float32)), None
 
-    zeros = jax.tree_util.tree_map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+    zero = _zero_like_batch(is_padding)
+    zeros = jax.tree_util.tree_map(lambda p: jnp.zeros(p.shape, jnp.float32) + zero, params)
     xs = (
         _split_microbatches(batch, num_micro, microbatch_size),
         is_padding.reshape(num_micro, microbatch_size),
         jnp.arange(num_micro),
     )
-    (total, loss_sum), _ = jax.lax.scan(one_microbatch, (zeros, jnp.zeros((), jnp.float32)), xs)
-    zero = jnp.zeros((), jnp.float32)
+    (total, loss_sum), _ = jax.lax.scan(one_microbatch, (zeros, zero), xs)
     stats = ClipStats(
         num_examples=jnp.sum(~is_padding, dtype=jnp.float32),
         num_clipped=zero,

@@ -67,6 +67,9 @@ def _global_sum_fn(
     def local(params: Any, batch: Any, is_padding: jax.Array, key: jax.Array):
         # Global row position = shard index * shard length + local position.
         offset = jax.lax.axis_index(data_axis) * is_padding.shape[0]
+        # Mark the replicated params as per-device: otherwise the gradient with respect to an
+        # unvarying input is transposed into an implicit psum inside every per-example grad.
+        params = jax.lax.pcast(params, (data_axis,), to="varying")
         total, stats = sum_fn(params, batch, is_padding, key, position_offset=offset)
         return jax.lax.psum((total, stats), data_axis)
 

@@ -1,0 +1,167 @@
+"""The Gradio fill-mask demo: DP and non-private checkpoints side by side, each with its epsilon.
+
+`build_app(models)` returns the `gr.Blocks`; `serve(sources, ...)` loads checkpoints and launches
+it (what `dpbert demo` and `demo/app.py` run). The API endpoint `/fill_mask` takes one string and
+returns `{model name: {"privacy": {...}, "filled": str, "masks": [[{"token", "token_id",
+"score"}, ...] per mask]}}`, e.g. `gradio_client.Client(url).predict(text, api_name="/fill_mask")`.
+Bad input (no [MASK], more than `MAX_MASKS`, text longer than a model takes) is a `gr.Error`,
+which the page shows and `gradio_client` raises as `AppError` with the same message.
+
+Serving defaults: binds 127.0.0.1 (pass `host` or `share=True` to expose it), one queue with a
+concurrency limit (inference is CPU/accelerator bound; more workers only queue inside JAX), no
+analytics.
+"""
+
+from __future__ import annotations
+
+import html
+from collections.abc import Sequence
+from typing import Any
+
+import gradio as gr
+
+from dpbert.demo.fill_mask import MASK, MAX_MASKS, MAX_TOP_K, FillMaskInputError, FillMaskModel
+
+EXAMPLES = (
+    f"The capital of France is {MASK}.",
+    f"The president spoke to {MASK} about the economy.",
+    f"I went to the {MASK} to buy some {MASK}.",
+    f"The {MASK} of the United States is elected every four years.",
+)
+
+GUARANTEE_NOTE = f"""\
+**What the guarantee protects.** A DP checkpoint's (ε, δ) bounds how much any *one example
+sequence of the pretraining corpus* can change the released weights, and so everything computed
+from them, these predictions included: whether or not one sequence was in the corpus, the
+weights are almost equally likely. It says nothing about the vocabulary (unless it is public, as
+bert-base-uncased's is), about evaluation metrics or anything else computed from data besides
+the weights, and a text spread over many sequences is protected only by a weaker, group bound.
+A non-private model (ε = ∞) gives no such guarantee. Up to {MAX_MASKS} {MASK} per sentence.
+"""
+
+
+def fill_mask(models: Sequence[FillMaskModel], text: str, *, top_k: int) -> dict[str, Any]:
+    """JSON-friendly predictions of every model for `text`; raises gr.Error on bad input."""
+    result: dict[str, Any] = {}
+    for model in models:
+        try:
+            prediction = model.predict(text, top_k=top_k)
+        except FillMaskInputError as err:
+            raise gr.Error(str(err), title="Cannot fill this sentence", print_exception=False) from err
+        result[model.name] = {
+            "privacy": model.privacy.to_json(),
+            "filled": prediction.filled,
+            "masks": [
+                [{"token": c.token, "token_id": c.token_id, "score": c.score} for c in mask]
+                for mask in prediction.masks
+            ],
+        }
+    return result
+
+
+def render_predictions(entry: dict[str, Any] | None) -> str:
+    """HTML for one model's entry of the `/fill_mask` result: filled sentence, table per mask."""
+    if not entry:
+        return ""
+    tables = []
+    for number, candidates in enumerate(entry["masks"], start=1):
+        rows = "".join(
+            "<tr>"
+            f"<td class='dp-token'>{html.escape(c['token'])}</td>"
+            f"<td class='dp-score'>{c['score']:.1%}</td>"
+            f"<td class='dp-bar'><div style='width:{100 * c['score']:.1f}%'></div></td>"
+            "</tr>"
+            for c in candidates
+        )
+        tables.append(
+            f"<table class='dp-mask'><caption>{MASK} #{number}</caption>"
+            f"<tr><th>token</th><th>probability</th><th></th></tr>{rows}</table>"
+        )
+    filled = html.escape(entry["filled"])
+    return f"<p class='dp-filled'>Top-1: <b>{filled}</b></p>{''.join(tables)}"
+
+
+_CSS = """
+.dp-mask { margin: 0.5em 0; border-collapse: collapse; width: 100%; }
+.dp-mask caption { text-align: left; font-weight: 600; }
+.dp-mask td, .dp-mask th { padding: 2px 8px; text-align: left; }
+.dp-bar { width: 40%; }
+.dp-bar div { height: 0.8em; background: #4f7cff; border-radius: 2px; }
+"""
+
+
+def build_app(models: Sequence[FillMaskModel], *, top_k: int = 5) -> gr.Blocks:
+    """The demo page over already-loaded models (at least one, names unique)."""
+    if not models:
+        raise ValueError("models: the demo needs at least one model")
+    names = [m.name for m in models]
+    if len(set(names)) != len(names):
+        raise ValueError(f"models: names must be unique, got {names}")
+
+    with gr.Blocks(title="dpbert fill-mask", analytics_enabled=False) as app:
+        gr.Markdown(
+            "# dpbert fill-mask\nDifferentially private BERT next to a non-private one: "
+            f"write a sentence with {MASK} where a word is missing."
+        )
+        text = gr.Textbox(
+            label="Sentence",
+            placeholder=f"The capital of France is {MASK}.",
+            lines=2,
+            elem_id="sentence",
+        )
+        submit = gr.Button("Fill", variant="primary", elem_id="fill")
+        gr.Examples(examples=[[e] for e in EXAMPLES], inputs=[text])
+        outputs = []
+        with gr.Row():
+            for number, model in enumerate(models):
+                with gr.Column():
+                    vocabulary = f"\n\n{model.privacy.vocabulary}" if model.privacy.vocabulary else ""
+                    gr.Markdown(f"### {model.name}\n**{model.privacy.label()}**{vocabulary}")
+                    outputs.append(gr.HTML(elem_id=f"predictions-{number}"))
+        with gr.Accordion("API response (JSON)", open=False):
+            raw = gr.JSON(label="/fill_mask")
+        gr.Markdown(GUARANTEE_NOTE)
+
+        def api(sentence: str) -> dict[str, Any]:
+            return fill_mask(models, sentence, top_k=top_k)
+
+        def show(result: dict[str, Any]) -> list[str]:
+            return [render_predictions((result or {}).get(name)) for name in names]
+
+        gr.on(
+            triggers=[submit.click, text.submit],
+            fn=api,
+            inputs=[text],
+            outputs=[raw],
+            api_name="fill_mask",
+        ).success(show, inputs=[raw], outputs=outputs, api_visibility="private")
+    return app
+
+
+def serve(
+    sources: Sequence[str],
+    *,
+    host: str = "127.0.0.1",
+    port: int | None = None,
+    share: bool = False,
+    top_k: int = 5,
+    concurrency_limit: int = 1,
+    prevent_thread_lock: bool = False,
+) -> gr.Blocks:
+    """Load `sources` (folders or Hub ids), build the app, queue it and launch it."""
+    if not 1 <= top_k <= MAX_TOP_K:
+        raise ValueError(f"top_k must be in [1, {MAX_TOP_K}], got {top_k}")
+    if concurrency_limit < 1:
+        raise ValueError(f"concurrency_limit must be >= 1, got {concurrency_limit}")
+    app = build_app([FillMaskModel.load(s) for s in sources], top_k=top_k)
+    app.queue(default_concurrency_limit=concurrency_limit, max_size=64)
+    app.launch(
+        server_name=host,
+        server_port=port,
+        share=share,
+        prevent_thread_lock=prevent_thread_lock,
+        ssr_mode=False,
+        footer_links=["api", "gradio"],
+        css=_CSS,
+    )
+    return app
