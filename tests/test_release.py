@@ -366,6 +366,22 @@ def test_truncation_delta_is_stated_and_checked(hf_model_dir: Path, tmp_path: Pa
     assert "truncation_delta for 'pretraining' is 0.0" in problem
 
 
+def test_release_from_a_flax_model_loads_in_transformers(hf_model_dir: Path, tmp_path: Path) -> None:
+    import numpy as np
+    import torch
+    from transformers import AutoModelForMaskedLM
+
+    from dpbert.model import BertForMaskedLM
+
+    flax_model = BertForMaskedLM.from_pretrained(str(hf_model_dir))
+    out = write_release(tmp_path / "flax", model=flax_model, meta=_meta(), info=_info(), tokenizer_dir=hf_model_dir)
+    assert verify_folder(out).ok
+    ids = np.array([[2, 5, 13, 4, 3]], dtype=np.int32)
+    ours = np.asarray(flax_model(ids).logits)
+    theirs = AutoModelForMaskedLM.from_pretrained(out).eval()(torch.tensor(ids, dtype=torch.long)).logits
+    np.testing.assert_allclose(ours, theirs.detach().numpy(), atol=1e-4)
+
+
 # ---- push and pull through the real huggingface_hub client against a local Hub ----
 
 
