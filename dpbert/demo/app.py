@@ -2,8 +2,14 @@
 
 `build_app(models)` returns the `gr.Blocks`; `serve(sources, ...)` loads checkpoints and launches
 it (what `dpbert demo` and `demo/app.py` run). The API endpoint `/fill_mask` takes one string and
-returns `{model name: {"privacy": {...}, "filled": str, "masks": [[{"token", "token_id",
-"score"}, ...] per mask]}}`, e.g. `gradio_client.Client(url).predict(text, api_name="/fill_mask")`.
+returns, e.g. through `gradio_client.Client(url).predict(text, api_name="/fill_mask")`:
+
+    {model name: {"privacy": {"private": bool, "label": str, "vocabulary": str | None,
+                              "guarantees": [{"scope", "epsilon" (null = inf), "delta", "accountant"}]},
+                  "filled": str,   # the sentence with each mask replaced by its top-1 token
+                  "masks": [[{"token": str, "token_id": int, "score": float}, ...top-k], ...per mask]}}
+
+Scores are probabilities (softmax over the vocabulary at that position), best first.
 Bad input (no [MASK], more than `MAX_MASKS`, text longer than a model takes) is a `gr.Error`,
 which the page shows and `gradio_client` raises as `AppError` with the same message.
 

@@ -115,12 +115,18 @@ class TokenScore:
     token_id: int
     score: float
 
+    def __post_init__(self) -> None:
+        if self.token_id < 0:
+            raise ValueError(f"TokenScore.token_id must be >= 0, got {self.token_id}")
+        if not 0.0 <= self.score <= 1.0:
+            raise ValueError(f"TokenScore.score must be a probability in [0, 1], got {self.score}")
+
 
 @dataclass(frozen=True, kw_only=True)
 class FillMaskResult:
     """Candidates per mask position (left to right, best first) and the top-1 filled sentence."""
 
-    masks: list[list[TokenScore]]
+    masks: tuple[tuple[TokenScore, ...], ...]
     filled: str
 
 
@@ -241,13 +247,13 @@ class FillMaskModel:
         probs, token_ids = jax.device_get(
             self._top_k(self._params, input_ids, attention_mask, padded_positions)
         )
-        masks = [
-            [
+        masks = tuple(
+            tuple(
                 TokenScore(token=self._token(int(t)), token_id=int(t), score=float(p))
                 for p, t in zip(probs[m, :top_k], token_ids[m, :top_k], strict=True)
-            ]
+            )
             for m in range(len(positions))
-        ]
+        )
         for position, candidates in zip(positions, masks, strict=True):
             ids[position] = candidates[0].token_id
         filled = self.tokenizer.decode(ids, skip_special_tokens=True)
