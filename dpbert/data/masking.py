@@ -1,0 +1,90 @@
+"""Dynamic masked-LM masking (BERT's 80/10/10), pure and jittable.
+
+Masking is redrawn every time an example is used, from a key that depends only on
+(run key, step, example index) — see `example_mask_key` — so a resumed run masks every
+example exactly as the uninterrupted run did, whatever the batch layout or device count.
+
+Guarantees of `mask_tokens`:
+- each eligible token (not a special token, not padding) is selected independently with
+  probability `mask_prob`; special and [PAD] tokens are never selected, never changed;
+- a selected token becomes [MASK] with probability 0.8, a uniformly random NON-special token
+  with probability 0.1, and stays unchanged with probability 0.1;
+- the result depends only on (rng, input_ids): same key, same mask.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+
+# Domain separation for the data stream. Deliberately far above any step count: the DP core
+# derives its step keys as fold_in(run_key, step), so a small constant here would make the
+# masking stream of step s collide with the keys of step DATA_STREAM.
+DATA_STREAM = 0x6D61736B  # "mask" in ASCII
+
+MASK_FRACTION = 0.8
+RANDOM_FRACTION = 0.1
+
+
+def example_mask_key(run_key: jax.Array, step: int | jax.Array, example_index: int | jax.Array) -> jax.Array:
+    """The masking key of one example at one step.
+
+    ``fold_in(fold_in(fold_in(run_key, DATA_STREAM), step), example_index)``. `example_index` is
+    the example's index in the token store (so the mask does not depend on where the example
+    lands in the batch); padding rows may use any index, their loss is masked anyway.
+    Jittable and vmappable over `example_index`.
+    """
+    data_key = jax.random.fold_in(run_key, DATA_STREAM)
+    return jax.random.fold_in(jax.random.fold_in(data_key, step), example_index)
+
+
+def mask_tokens(
+    rng: jax.Array,
+    input_ids: jax.Array,
+    *,
+    vocab_size: int,
+    mask_token_id: int,
+    special_token_ids: Sequence[int],
+    mask_prob: float = 0.15,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Select and corrupt tokens for masked-LM training.
+
+    input_ids: int array of any shape (one example [L], or a batch [B, L]).
+    special_token_ids: ids never selected ([PAD], [CLS], [SEP], [MASK], [UNK], ...); [PAD] must
+    be among them. Static Python ints (a tuple or list).
+    Returns ``(masked_input_ids, labels, label_weights)`` of input_ids' shape: labels hold the
+    original id at selected positions and 0 elsewhere; label_weights is float32, 1.0 exactly at
+    selected positions. An example may have no selected token (all weights 0): normalize the
+    loss accordingly.
+    """
+    specials = tuple(sorted({int(s) for s in special_token_ids}))
+    if not 0.0 < mask_prob <= 1.0:
+        raise ValueError(f"mask_prob must be in (0, 1]; got {mask_prob}")
+    if not 0 <= mask_token_id < vocab_size:
+        raise ValueError(f"mask_token_id must be in [0, vocab_size={vocab_size}); got {mask_token_id}")
+    if any(not 0 <= s < vocab_size for s in specials):
+        raise ValueError(f"special_token_ids must lie in [0, vocab_size={vocab_size}); got {list(specials)}")
+    if len(specials) >= vocab_size:
+        raise ValueError("special_token_ids cover the whole vocabulary: no token is left to mask")
+
+    select_key, action_key, random_key = jax.random.split(rng, 3)
+    input_ids = jnp.asarray(input_ids)
+    eligible = ~jnp.isin(input_ids, jnp.asarray(specials, dtype=input_ids.dtype))
+    selected = eligible & jax.random.bernoulli(select_key, mask_prob, input_ids.shape)
+
+    action = jax.random.uniform(action_key, input_ids.shape)
+    to_mask = selected & (action < MASK_FRACTION)
+    to_random = selected & (action >= MASK_FRACTION) & (action < MASK_FRACTION + RANDOM_FRACTION)
+
+    # Draw uniformly among the vocab_size - len(specials) ordinary ids: draw a rank, then step it
+    # over each special id (ascending) that is <= it, which maps ranks onto non-special ids.
+    random_ids = jax.random.randint(random_key, input_ids.shape, 0, vocab_size - len(specials))
+    for special in specials:
+        random_ids = random_ids + (random_ids >= special)
+
+    masked = jnp.where(to_mask, jnp.asarray(mask_token_id, input_ids.dtype), input_ids)
+    masked = jnp.where(to_random, random_ids.astype(input_ids.dtype), masked)
+    labels = jnp.where(selected, input_ids, jnp.zeros_like(input_ids))
+    return masked, labels, selected.astype(jnp.float32)
