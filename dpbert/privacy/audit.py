@@ -39,7 +39,7 @@ import scipy.special
 import scipy.stats
 
 _EPSILON_SEARCH_MAX = 100.0
-_BISECTION_STEPS = 60
+_BISECTION_STEPS = 40
 
 
 def correct_guesses(
@@ -95,7 +95,7 @@ def epsilon_lower_bound(
     delta: float,
     significance: float = 0.05,
 ) -> float:
-    """Largest epsilon (to ~1e-9 relative) that `num_correct` of `num_guesses` rejects
+    """Largest epsilon (to ~1e-11 absolute) that `num_correct` of `num_guesses` rejects
     at level `significance`; 0.0 if not even epsilon = 0 is rejected."""
     if not 0 < significance < 1:
         raise ValueError(f"significance: expected a number in (0, 1), got {significance!r}")
@@ -112,7 +112,10 @@ def epsilon_lower_bound(
             < significance
         )
 
-    if not rejected(0.0):
+    # delta only adds to the p-value: if pure DP at epsilon 0 is not rejected, nothing is.
+    if p_value(
+        num_canaries=num_canaries, num_guesses=num_guesses, num_correct=num_correct, epsilon=0.0, delta=0.0
+    ) >= significance or not rejected(0.0):
         return 0.0
     lo, hi = 0.0, 1.0
     while rejected(hi):
