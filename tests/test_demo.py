@@ -172,6 +172,7 @@ def test_bad_input_gets_a_clear_error_through_the_api(server, text, message):
 def test_one_compile_per_length_bucket_and_tokenizer_mask_token(checkpoints):
     model = FillMaskModel.load(str(checkpoints["dp"]))
     assert model.buckets == (16, 32)
+    model.warm_up()
     model.predict("the [MASK] .")
     model.predict("the president spoke to [MASK] about the budget .")
     assert model.traced_lengths == [16]

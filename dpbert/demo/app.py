@@ -154,12 +154,16 @@ def serve(
     concurrency_limit: int = 1,
     prevent_thread_lock: bool = False,
 ) -> gr.Blocks:
-    """Load `sources` (folders or Hub ids), build the app, queue it and launch it."""
+    """Load `sources` (folders or Hub ids), compile their smallest length bucket, build the app,
+    queue it and launch it (blocking unless `prevent_thread_lock`)."""
     if not 1 <= top_k <= MAX_TOP_K:
         raise ValueError(f"top_k must be in [1, {MAX_TOP_K}], got {top_k}")
     if concurrency_limit < 1:
         raise ValueError(f"concurrency_limit must be >= 1, got {concurrency_limit}")
-    app = build_app([FillMaskModel.load(s) for s in sources], top_k=top_k)
+    models = [FillMaskModel.load(s) for s in sources]
+    for model in models:
+        model.warm_up()
+    app = build_app(models, top_k=top_k)
     app.queue(default_concurrency_limit=concurrency_limit, max_size=64)
     app.launch(
         server_name=host,

@@ -259,6 +259,14 @@ class FillMaskModel:
         filled = self.tokenizer.decode(ids, skip_special_tokens=True)
         return FillMaskResult(masks=masks, filled=filled)
 
+    def warm_up(self) -> None:
+        """Compile the smallest length bucket now, so the first visitor does not wait for it."""
+        length = self.buckets[0]
+        ids = np.zeros((1, length), dtype=np.int32)
+        jax.block_until_ready(
+            self._top_k(self._params, ids, np.ones_like(ids), np.zeros((1, MAX_MASKS), np.int32))
+        )
+
     def _token(self, token_id: int) -> str:
         # Models may pad the output vocabulary past the tokenizer's; name those ids plainly.
         return self.tokenizer.convert_ids_to_tokens(token_id) or f"<id {token_id}>"
