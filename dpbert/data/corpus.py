@@ -148,7 +148,7 @@ class Corpus:
             return datasets.load_dataset(self.location, self.config, split="train", streaming=True)
         except Exception as err:  # offline, unknown name, bad config: many error types, one message
             raise ValueError(
-                f"corpus 'hf:{self.location}' could not be opened on the Hugging Face Hub ({err}); "
+                f"corpus {self.spec!r} could not be opened on the Hugging Face Hub ({err}); "
                 "without Hub access, save the dataset locally and pass its file or folder instead"
             ) from err
 

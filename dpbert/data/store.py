@@ -378,8 +378,12 @@ def prepare(
 
     tokenizer: a fast transformers tokenizer (BERT special tokens required). vocab_origin:
     "public", or "trained on <corpus>" for a vocabulary learned from this corpus (recorded as not
-    covered by the DP guarantee). An existing `out_dir` is replaced only with overwrite=True.
-    Returns the manifest written. See the module docstring for the guarantees.
+    covered by the DP guarantee). An existing `out_dir` is replaced only with overwrite=True, and
+    only if it is a token store. Returns the manifest written (guarantees: module docstring).
+
+    num_proc > 1 tokenizes on worker processes started with "spawn" (safe next to jax's
+    threads); as with any spawn-based pool, a script calling this must guard its entry point
+    with ``if __name__ == "__main__":``.
     """
     if seq_len < 3:
         raise ValueError(f"seq_len must be >= 3; got {seq_len}")
