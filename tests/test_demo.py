@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -95,22 +94,12 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     }
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(checkpoints: dict[str, Path]):
-    port = _free_port()
-    app = serve(
-        [str(checkpoints["dp"]), str(checkpoints["nonprivate"])],
-        port=port,
-        prevent_thread_lock=True,
-    )
-    url = f"http://127.0.0.1:{port}/"
-    yield url
+    # No port given: gradio binds the first free one from 7860 up, which cannot race with others.
+    app = serve([str(checkpoints["dp"]), str(checkpoints["nonprivate"])], prevent_thread_lock=True)
+    assert app.local_url.startswith("http://127.0.0.1:")
+    yield app.local_url
     app.close()
 
 
