@@ -2,8 +2,9 @@
 
 `FillMaskModel.load(source)` resolves a local folder or Hub id (the release's pull path), verifies
 its privacy metadata (epsilon recomputed from the ledger), and reads the tokenizer and dpbert's
-Flax `BertForMaskedLM`. `predict(text)` returns,
-for each mask position in order, the `MAX_TOP_K` most probable tokens with their probabilities.
+Flax `BertForMaskedLM`. `predict(text, top_k=k)` returns, for each mask position in order, the k
+most probable tokens with their probabilities (k <= `MAX_TOP_K`). Masks are written `[MASK]` or
+as the tokenizer's own mask token.
 
 Guarantees:
 - Probabilities are `softmax(logits)` in float32 over the model's whole output vocabulary at each
