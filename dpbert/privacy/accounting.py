@@ -25,7 +25,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import dp_accounting
@@ -121,6 +121,59 @@ def compute_epsilon(
     return float(acc.get_epsilon(delta))
 
 
+def _log_root(f: Callable[[float], float], guess: float, *, increasing: bool, xtol: float) -> float:
+    """x with f(x) ~ 0 (within a relative xtol), for f monotone in x > 0; bracketed by doubling.
+
+    Returns the bracket end where f <= 0 if the search leaves [1e-2, MAX_NOISE_MULTIPLIER]."""
+    from scipy.optimize import brentq
+
+    sign = 1.0 if increasing else -1.0
+    lo = hi = guess
+    f_guess = f(guess)
+    if sign * f_guess > 0:  # too far up: move towards smaller f
+        while sign * f(lo) > 0:
+            hi, lo = lo, lo / 2
+            if lo < 1e-3:
+                return lo
+    else:
+        while sign * f(hi) <= 0:
+            lo, hi = hi, hi * 2
+            if hi > MAX_NOISE_MULTIPLIER:
+                return lo
+    return math.exp(brentq(lambda t: f(math.exp(t)), math.log(lo), math.log(hi), xtol=xtol))
+
+
+def _smallest_noise(
+    epsilon_of: Callable[[float, float], float],
+    target_epsilon: float,
+    rtol: float,
+    guess: float = 1.0,
+    *,
+    verify: bool = True,
+) -> float:
+    """Smallest x (within rtol) with epsilon_of(x, fine grid) <= target, for epsilon decreasing in x.
+
+    Brent's method on log epsilon versus log x (nearly linear, so a handful of evaluations) on
+    a coarser PLD grid, then the answer is nudged up until the fine grid admits it: the result
+    never exceeds the target."""
+    coarse = CALIBRATION_PLD_DISCRETIZATION
+    eps_max = epsilon_of(MAX_NOISE_MULTIPLIER, coarse)
+    if eps_max > target_epsilon:
+        raise ValueError(
+            f"target_epsilon={target_epsilon:g} is unreachable: even noise_multiplier="
+            f"{MAX_NOISE_MULTIPLIER:g} gives epsilon={eps_max:.4g} (too many steps or too high a "
+            "sampling rate for this delta)"
+        )
+
+    def gap(x: float) -> float:
+        return math.log(max(epsilon_of(x, coarse), 1e-300)) - math.log(target_epsilon)
+
+    x = _log_root(gap, guess, increasing=False, xtol=rtol / 2) * (1 + rtol / 2)
+    while verify and epsilon_of(x, PLD_DISCRETIZATION) > target_epsilon:
+        x *= 1 + rtol
+    return x
+
+
 def calibrate_noise_multiplier(
     schedule: BatchSchedule,
     *,
@@ -131,13 +184,13 @@ def calibrate_noise_multiplier(
     per_stage: bool = False,
     rtol: float = 1e-3,
 ) -> BatchSchedule:
-    """The schedule with the smallest noise that meets `target_epsilon` at `delta`.
+    """The schedule (its noise multipliers replaced) that meets `target_epsilon` at `delta`.
 
-    per_stage=False: one noise multiplier shared by every stage (the schedule's values are
-    ignored). per_stage=True: the schedule's noise multipliers (all > 0) are kept in
-    proportion and scaled by one common factor, so each stage gets its own sigma.
-    The returned noise is within a relative `rtol` of the smallest admissible and its
-    epsilon is <= target_epsilon.
+    per_stage=False: the smallest single noise multiplier shared by every stage (within a
+    relative `rtol`). per_stage=True: one multiplier per stage such that every stage alone has
+    the same epsilon (an equal share of the budget; larger batches get more noise), that
+    share being the largest whose composition still meets the target (within about 1%).
+    Either way the schedule's epsilon, recomputed, is <= target_epsilon.
     """
     if isinstance(target_epsilon, bool) or not isinstance(target_epsilon, int | float) or not (
         target_epsilon > 0 and math.isfinite(target_epsilon)
@@ -145,57 +198,55 @@ def calibrate_noise_multiplier(
         raise ValueError(f"target_epsilon must be a finite number > 0, got {target_epsilon!r}")
     _check_delta(delta)
     _check_accountant(accountant)
-    if per_stage:
-        base = schedule.noise_multipliers
-        if min(base) <= 0:
-            raise ValueError(
-                "per_stage calibration scales the schedule's noise_multiplier values, which must "
-                f"all be > 0; got {list(base)}"
+    n_stages = len(schedule.stages)
+    # Root finders revisit points (bracket ends, brentq's first evaluations): remember them.
+    cache: dict[tuple[tuple[Stage, ...], float], float] = {}
+
+    def epsilon(candidate: BatchSchedule, discretization: float) -> float:
+        key = (candidate.stages, discretization)
+        if key not in cache:
+            cache[key] = compute_epsilon(
+                candidate,
+                dataset_size=dataset_size,
+                delta=delta,
+                accountant=accountant,
+                pld_discretization=discretization,
             )
-        base = tuple(b / max(base) for b in base)
-    else:
-        base = tuple(1.0 for _ in schedule.stages)
+        return cache[key]
 
-    def scaled(scale: float) -> BatchSchedule:
-        return schedule.with_noise_multipliers([scale * b for b in base])
+    def shared(sigma: float, discretization: float) -> float:
+        return epsilon(schedule.with_noise_multipliers([sigma] * n_stages), discretization)
 
-    def epsilon_at(scale: float, discretization: float = CALIBRATION_PLD_DISCRETIZATION) -> float:
-        return compute_epsilon(
-            scaled(scale),
-            dataset_size=dataset_size,
-            delta=delta,
-            accountant=accountant,
-            pld_discretization=discretization,
+    if not per_stage or n_stages == 1:
+        return schedule.with_noise_multipliers(
+            [_smallest_noise(shared, target_epsilon, rtol)] * n_stages
         )
 
-    eps_max = epsilon_at(MAX_NOISE_MULTIPLIER)
-    if eps_max > target_epsilon:
-        raise ValueError(
-            f"target_epsilon={target_epsilon} is unreachable: even noise_multiplier="
-            f"{MAX_NOISE_MULTIPLIER:g} gives epsilon={eps_max:.4g} at delta={delta} "
-            "(too many steps or too high a sampling rate)"
-        )
-    lo = 0.5
-    while epsilon_at(lo) <= target_epsilon:
-        if lo < 1e-2:
-            return scaled(lo)
-        lo /= 2
-    hi = min(2 * lo, MAX_NOISE_MULTIPLIER)
-    while epsilon_at(hi) > target_epsilon:
-        lo, hi = hi, min(2 * hi, MAX_NOISE_MULTIPLIER)
-    # Bisection in log space keeps `hi` admissible at every step, so the result is never
-    # above the target (Brent's method only promises to be near the root). The search uses a
-    # coarser PLD grid, which is pessimistic, so `hi` stays admissible at the fine grid too;
-    # the loop below checks it anyway.
-    while hi / lo > 1 + rtol:
-        mid = math.sqrt(lo * hi)
-        if epsilon_at(mid) <= target_epsilon:
-            hi = mid
-        else:
-            lo = mid
-    while epsilon_at(hi, PLD_DISCRETIZATION) > target_epsilon:
-        hi *= 1 + rtol
-    return scaled(hi)
+    guesses = [1.0] * n_stages
+
+    def equal_share(stage_epsilon: float) -> BatchSchedule:
+        for i, stage in enumerate(schedule.stages):
+            alone = BatchSchedule(stages=(stage,))
+
+            def stage_eps(sigma: float, discretization: float, alone=alone) -> float:
+                return epsilon(alone.with_noise_multipliers([sigma]), discretization)
+
+            # Only the composed schedule is checked on the fine grid (below), not each stage.
+            guesses[i] = _smallest_noise(stage_eps, stage_epsilon, rtol, guesses[i], verify=False)
+        return schedule.with_noise_multipliers(guesses)
+
+    def total_gap(stage_epsilon: float) -> float:
+        eps = epsilon(equal_share(stage_epsilon), CALIBRATION_PLD_DISCRETIZATION)
+        return math.log(eps) - math.log(target_epsilon)
+
+    # The composed epsilon grows with the per-stage share: solve for the share that spends
+    # the target, then back off until the fine grid admits it.
+    share = _log_root(total_gap, target_epsilon / math.sqrt(n_stages), increasing=True, xtol=0.005)
+    best = equal_share(share)
+    while epsilon(best, PLD_DISCRETIZATION) > target_epsilon:
+        share /= 1.01
+        best = equal_share(share)
+    return best
 
 
 def overflow_probability(expected_batch_size: int, dataset_size: int, physical_batch_size: int) -> float:
