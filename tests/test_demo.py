@@ -18,7 +18,7 @@ from gradio_client.exceptions import AppError
 from tokenizers import BertWordPieceTokenizer
 from transformers import AutoTokenizer, BertConfig, BertTokenizerFast
 
-from dpbert.demo import MAX_MASKS, FillMaskInputError, FillMaskModel, serve
+from dpbert.demo import MAX_MASKS, FillMaskInputError, FillMaskModel, ModelPrivacy, serve
 from dpbert.demo.fill_mask import length_buckets, verified_privacy
 from dpbert.model import BertForMaskedLM, mlm_logits, split_params
 from dpbert.release import CardInfo, Guarantee, ReleaseMetadata, verify_folder, write_release
@@ -158,7 +158,7 @@ def test_bad_input_gets_a_clear_error_through_the_api(server, text, message):
         Client(server, verbose=False).predict(text, api_name="/fill_mask")
 
 
-def test_one_compile_per_length_bucket_and_tokenizer_mask_token(checkpoints):
+def test_one_compile_per_length_bucket(checkpoints):
     model = FillMaskModel.load(str(checkpoints["dp"]))
     assert model.buckets == (16, 32)
     model.warm_up()
@@ -169,9 +169,33 @@ def test_one_compile_per_length_bucket_and_tokenizer_mask_token(checkpoints):
     assert 16 < len(model.encode(long)[0]) <= 32
     model.predict(long)
     assert model.traced_lengths == [16, 32]
-    assert model.encode("a [MASK] b") == model.encode(f"a {model.tokenizer.mask_token} b")
     with pytest.raises(FillMaskInputError, match="Too many masks: 6"):
         model.encode("[MASK] " * 6)
+
+
+def test_the_tokenizers_own_mask_token_works_like_mask():
+    specials = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "<mask>"]
+    wordpiece = BertWordPieceTokenizer(lowercase=True)
+    wordpiece.train_from_iterator(CORPUS, vocab_size=200, min_frequency=1, special_tokens=specials)
+    tokenizer = BertTokenizerFast(tokenizer_object=wordpiece._tokenizer, mask_token="<mask>")
+    config = BertConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=32,
+    )
+    model = FillMaskModel(
+        name="mask-model",
+        tokenizer=tokenizer,
+        model=BertForMaskedLM(config, rngs=nnx.Rngs(0)),
+        privacy=ModelPrivacy(checks=()),
+    )
+    ids, positions = model.encode("the [MASK] spoke to <mask> .")
+    assert len(positions) == 2 and {ids[p] for p in positions} == {tokenizer.mask_token_id}
+    with pytest.raises(FillMaskInputError, match=r"No \[MASK\] \(or <mask>\)"):
+        model.encode("the president spoke .")
 
 
 def test_length_buckets():
