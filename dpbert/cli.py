@@ -160,9 +160,37 @@ def _add_verify(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
+def _add_account(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "account",
+        help="epsilon of a DP-SGD schedule, or the noise multiplier for a target epsilon",
+        description="Print epsilon (or the calibrated noise multiplier), the per-stage breakdown and the "
+        "privacy ledger, from a recipe or from flags. Lists (comma-separated) give one value per stage.",
+    )
+    p.add_argument("recipe", nargs="?", metavar="RECIPE", help="recipe YAML file (else use the flags)")
+    p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a recipe field (repeatable)")
+    p.add_argument("--dataset-size", type=int, metavar="N", help="number of training examples (sequences)")
+    p.add_argument("--batch-size", metavar="B[,B...]", help="expected batch size per stage")
+    p.add_argument("--steps", metavar="T[,T...]", help="steps per stage")
+    p.add_argument("--noise-multiplier", metavar="S[,S...]", help="noise multiplier (per stage)")
+    p.add_argument("--target-epsilon", type=float, metavar="E", help="calibrate the noise multiplier to this")
+    p.add_argument("--per-stage", action="store_true", help="calibrate one multiplier per stage (equal shares)")
+    p.add_argument("--delta", type=float, metavar="D", help="target delta")
+    p.add_argument("--clip-norm", type=float, default=1.0, help="clip norm C (recorded; epsilon does not depend on it)")
+    p.add_argument("--accountant", choices=["pld", "rdp"], default="pld", help="privacy accountant (default pld)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+
+    def run(args: argparse.Namespace) -> int:
+        from dpbert.privacy.report import run_account
+
+        return run_account(args)
+
+    p.set_defaults(func=run)
+
+
 def _commands() -> list[Callable[..., None]]:
     """Subcommands in the order `dpbert --help` lists them (only ones that work)."""
-    return [_add_prepare, _add_export, _add_push, _add_pull, _add_verify, _add_demo]
+    return [_add_prepare, _add_account, _add_export, _add_push, _add_pull, _add_verify, _add_demo]
 
 
 def build_parser() -> argparse.ArgumentParser:
