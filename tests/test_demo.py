@@ -137,7 +137,9 @@ def test_client_predictions_match_the_model_run_directly(server, checkpoints):
         {"scope": "pretraining", "epsilon": check.recomputed_epsilon, "delta": DP_DELTA, "accountant": "pld"}
     ]
     assert dp["privacy"]["label"] == f"ε = {check.recomputed_epsilon:.3g}, δ = 1e-05 (pld, verified)"
-    assert dp["privacy"]["vocabulary"] == "trained on the test corpus; not covered by the guarantee."
+    assert dp["privacy"]["vocabulary"] == (
+        "Vocabulary: trained on the test corpus; not covered by the guarantee."
+    )
     assert not nonprivate["privacy"]["private"]
     assert nonprivate["privacy"]["guarantees"][0]["epsilon"] is None
     assert nonprivate["privacy"]["label"] == "non-private (ε = ∞)"

@@ -103,7 +103,9 @@ def verified_privacy(folder: str | os.PathLike[str]) -> ModelPrivacy:
     if not result.private:
         return ModelPrivacy(checks=result.checks)
     vocabulary = read_privacy_json(Path(folder)).get("vocabulary") or {}
-    origin = str(vocabulary.get("origin", "Vocabulary origin: not recorded")).rstrip(".")
+    origin = str(vocabulary.get("origin", "not recorded")).rstrip(".")
+    if not origin.lower().startswith("vocabulary"):
+        origin = f"Vocabulary: {origin}"
     covered = "covered" if vocabulary.get("covered") is True else "not covered"
     return ModelPrivacy(checks=result.checks, vocabulary=f"{origin}; {covered} by the guarantee.")
 
