@@ -145,3 +145,108 @@ def test_correct_engine_bound_is_below_the_claim_and_within_a_factor(target):
     if target >= 4.0:
         # The stated factor: the white-box bound reaches at least 1/6 of the claim.
         assert bound >= target / 6
+
+
+# ---------------------------------------------------------------- `dpbert audit RECIPE` (real trainer)
+
+_PHRASES = [
+    "the president of the united states {w} the congress .",
+    "we the people of the nation {w} our freedom .",
+    "the secretary of the treasury {w} the public debt .",
+]
+_SLOTS = ["protect", "address", "serve", "defend"]
+
+
+@pytest.fixture(scope="module")
+def audit_recipe(tmp_path_factory):
+    import random
+
+    import yaml
+
+    root = tmp_path_factory.mktemp("audit")
+    corpus = root / "corpus"
+    corpus.mkdir()
+    rng = random.Random(0)
+    for d in range(40):
+        (corpus / f"doc{d:03d}.txt").write_text(" ".join(rng.choice(_PHRASES).format(w=rng.choice(_SLOTS)) for _ in range(8)))
+    recipe = {
+        "model": {"hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2, "intermediate_size": 64,
+                  "hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0},
+        "data": {"corpus": str(corpus), "store": str(root / "store"), "tokenizer": "train", "train_vocab_size": 120,
+                 "seq_len": 24, "eval_fraction": 0.1, "num_proc": 1},
+        "schedule": [{"steps": 4, "expected_batch_size": 32}],
+        "privacy": {"enabled": True, "clip_norm": 1.0, "delta": 1.0e-4, "accountant": "rdp",
+                    "noise_multiplier": 1.0, "target_epsilon": 50.0},
+        "optimizer": {"learning_rate": 1.0e-2, "warmup_steps": 1},
+        "train": {"microbatch_size": 16, "checkpoint_every": 4, "eval_every": 4, "eval_batches": 1,
+                  "eval_batch_size": 16, "log_every": 1},
+        "report": {"fill_mask": [], "top_k": 3},
+    }
+    path = root / "audit.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    return path, root
+
+
+@pytest.mark.slow  # a real (tiny) pretraining run: compilation dominates
+def test_input_canary_audit_is_marked_and_never_touches_the_recipe_store(audit_recipe, tmp_path, capsys):
+    import json
+
+    from dpbert import cli
+    from dpbert.data.store import TokenStore
+    from dpbert.privacy import PrivacyLedger
+
+    recipe, root = audit_recipe
+    out = tmp_path / "audit"
+    assert cli.main(["audit", str(recipe), "--output-dir", str(out), "--canaries", "40", "--json"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    written = json.loads((out / "audit.json").read_text())
+    assert printed == written
+    assert written["kind"] == "input" and written["audit"] is True and written["num_canaries"] == 40
+    assert written["confidence"] == 0.95 and written["delta"] >= 1e-4
+    assert 0.0 <= written["epsilon_lower_bound"] <= written["epsilon_claimed"]
+
+    # The canaries live only in the audit store: appended after the recipe's own rows.
+    base, audited = TokenStore.open(root / "store"), TokenStore.open(out / "store")
+    n = len(base)
+    assert len(audited) == n + written["num_included"]
+    assert np.array_equal(audited[np.arange(n)], base[np.arange(n)])
+    canaries = audited[np.arange(n, len(audited))]
+    base_rows = {r.tobytes() for r in base[np.arange(n)]}
+    assert not any(c.tobytes() in base_rows for c in canaries)
+    assert "audit canaries" in audited.manifest.source and "canaries" not in base.manifest.source
+
+    # The run says it is an audit everywhere a user would look, and is not releasable.
+    run = out / "run"
+    privacy = json.loads((run / "privacy.json").read_text())
+    assert privacy["audit"] is True
+    with pytest.raises(ValueError, match="audit"):
+        PrivacyLedger.from_dict(privacy)
+    assert privacy["dataset_size"] == len(audited)
+    assert not (run / "release").exists()
+    assert json.loads((run / "AUDIT_RUN.json").read_text())["audit"] is True
+    last = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])
+    assert last["kind"] == "audit" and last["epsilon_lower_bound"] == written["epsilon_lower_bound"]
+
+
+def test_gradient_canary_audit_of_a_recipe_uses_its_privacy_plan(audit_recipe, tmp_path, capsys):
+    import json
+
+    from dpbert import cli
+    from dpbert.data.store import TokenStore
+    from dpbert.train.pretrain import make_plan
+    from dpbert.train.recipe import load_recipe
+
+    recipe, root = audit_recipe
+    out = tmp_path / "grad"
+    assert cli.main(["audit", str(recipe), "--output-dir", str(out), "--canaries", "300", "--kind", "gradient",
+                     "--set", "privacy.noise_multiplier=0.8"]) == 0
+    table = capsys.readouterr().out
+    assert "claimed epsilon" in table and "lower bound (95% conf.)" in table
+    report = json.loads((out / "audit.json").read_text())
+    assert report["kind"] == "gradient" and report["score"] == "log_likelihood_ratio"
+    # The claim is the one the trainer would make for the same data plus the included canaries.
+    plan = make_plan(load_recipe(recipe, ["privacy.noise_multiplier=0.8"]),
+                     len(TokenStore.open(root / "store")) + report["num_included"])
+    assert report["epsilon_claimed"] == pytest.approx(plan.ledger.epsilon(), rel=1e-9)
+    assert 0.0 <= report["epsilon_lower_bound"] <= report["epsilon_claimed"]
+    assert not (out / "run").exists()

@@ -1,0 +1,301 @@
+"""`dpbert audit`: an empirical lower bound on a recipe's epsilon, from canaries, in one run.
+
+Two kinds of canaries (Steinke, Nasr, Jagielski 2023; the bound is `dpbert.privacy.audit`):
+
+- `input` (black box): M random sequences ([CLS], uniform non-special tokens, [SEP]) each
+  join the training set independently with probability 1/2. The recipe is trained as usual
+  (`dpbert.train.pretrain.pretrain`, same DP plan) on an *audit token store*: the recipe's
+  train split with the included canaries appended (eval split unchanged). Afterwards every
+  canary is scored by its pseudo-log-likelihood under the final model (each non-special
+  position masked in turn, mean log-probability of the true token); members should score
+  higher.
+- `gradient` (white box): the recipe's privacy plan (dataset size, schedule, calibrated
+  noise, clip norm, delta) run through the real DP step with Dirac gradient canaries
+  (`dpbert.privacy.canaries`). Real examples have zero gradient on the canary coordinates,
+  so what the auditor sees there is exactly what it would see inside the full run; the BERT
+  itself is not trained.
+
+Outputs in OUTPUT_DIR: `audit.json` (`kind`, `epsilon_claimed`, `delta`,
+`epsilon_lower_bound`, `epsilon_lower_bound_max_over_k`, `confidence`, canary and guess
+counts, `audit: true`). An input audit also leaves `run/` (the pretraining run, marked: its
+`privacy.json` carries `audit: true` and so no longer parses as a releasable ledger, an
+`audit` record ends `metrics.jsonl`, its `release/` export is removed) and `store/` (the
+audit token store, whose manifest `source` names the canaries).
+
+Guarantees: canaries exist only in OUTPUT_DIR's audit store; the recipe's own token store is
+read, never written; a plain `dpbert pretrain` never sees canaries. Canary tokens and coin
+flips come from `dpbert.privacy.canaries.audit_keys(train.seed)`'s canary key, disjoint from
+the run key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dpbert.privacy.accounting import PrivacyLedger
+from dpbert.privacy.audit import audit_scores
+from dpbert.privacy.canaries import (
+    GradientCanaryConfig,
+    audit_keys,
+    canary_inclusion,
+    run_gradient_canary_audit,
+)
+from dpbert.train.recipe import Recipe, load_recipe
+
+KINDS = ("input", "gradient")
+# fold_in constants under the canary key: the coin flips use the canary key itself.
+_TOKENS = 1
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class AuditReport:
+    """What `dpbert audit` prints and writes to audit.json."""
+
+    kind: str
+    recipe: str
+    epsilon_claimed: float
+    delta: float
+    epsilon_lower_bound: float
+    epsilon_lower_bound_max_over_k: float
+    confidence: float
+    num_canaries: int
+    num_included: int
+    num_guesses: int
+    num_correct: int
+    k_plus: int
+    k_minus: int
+    num_candidates: int
+    score: str
+    audit: bool = True
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"kind: expected one of {list(KINDS)}, got {self.kind!r}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def random_canaries(
+    key: jax.Array, num: int, *, seq_len: int, vocab_size: int, cls_id: int, sep_id: int,
+    special_token_ids: Iterable[int],
+) -> np.ndarray:
+    """int32 [num, seq_len]: [CLS], seq_len - 2 tokens uniform over the non-special ids, [SEP]."""
+    special = np.asarray(sorted(set(special_token_ids) | {cls_id, sep_id}), np.int64)
+    ordinary = np.setdiff1d(np.arange(vocab_size), special)
+    body = np.asarray(jax.random.randint(key, (num, seq_len - 2), 0, ordinary.size))
+    rows = np.empty((num, seq_len), np.int32)
+    rows[:, 0], rows[:, -1] = cls_id, sep_id
+    rows[:, 1:-1] = ordinary[body]
+    return rows
+
+
+def write_canary_store(base_dir: Path, out_dir: Path, canaries: np.ndarray) -> None:
+    """A token store = the base store with `canaries` appended to its train split (atomic)."""
+    from dpbert.data.store import MANIFEST, TOKENIZER_DIR, read_manifest
+
+    manifest = read_manifest(base_dir)
+    train, evals = manifest.splits["train"], manifest.splits["eval"]
+    dtype = np.dtype(manifest.dtype).newbyteorder("<")
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}."))
+    try:
+        shutil.copytree(base_dir / TOKENIZER_DIR, tmp / TOKENIZER_DIR)
+        shutil.copyfile(base_dir / evals.file, tmp / evals.file)
+        with open(tmp / train.file, "wb") as f:
+            with open(base_dir / train.file, "rb") as src:
+                shutil.copyfileobj(src, f)
+            f.write(canaries.astype(dtype).tobytes())
+        data = manifest.to_dict()
+        data["source"] = f"{manifest.source} + {len(canaries)} audit canaries (random token sequences)"
+        data["splits"]["train"] = {
+            **dataclasses.asdict(train),
+            "num_examples": train.num_examples + len(canaries),
+            "num_documents": train.num_documents + len(canaries),
+            "num_tokens": train.num_tokens + int(canaries.size),
+        }
+        data["splits"]["eval"] = dataclasses.asdict(evals)
+        (tmp / MANIFEST).write_text(json.dumps(data, indent=2, sort_keys=True))
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        os.replace(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def pseudo_log_likelihood(hf_dir: Path, sequences: np.ndarray, *, mask_id: int, batch_size: int = 256) -> np.ndarray:
+    """float64 [num]: mean over positions 1..L-2 of log p(true token | sequence with it masked)."""
+    from dpbert.model import functional
+    from dpbert.model.bert import BertForMaskedLM
+
+    graphdef, params = functional.split_params(BertForMaskedLM.from_pretrained(str(hf_dir)))
+    num, seq_len = sequences.shape
+    positions = np.arange(1, seq_len - 1)
+
+    @jax.jit
+    def logprob(ids: jax.Array, pos: jax.Array) -> jax.Array:
+        target = jnp.take_along_axis(ids, pos[:, None], axis=1)[:, 0]
+        masked = ids.at[jnp.arange(ids.shape[0]), pos].set(mask_id)
+        logits = functional.mlm_logits(
+            graphdef, params, masked, jnp.ones_like(masked), None, None, masked_positions=pos[:, None]
+        )[:, 0].astype(jnp.float32)
+        return jax.nn.log_softmax(logits)[jnp.arange(ids.shape[0]), target]
+
+    rows = np.repeat(np.arange(num), positions.size)
+    pos = np.tile(positions, num)
+    out = np.empty(rows.size, np.float64)
+    for start in range(0, rows.size, batch_size):
+        sl = slice(start, min(start + batch_size, rows.size))
+        n = sl.stop - sl.start
+        # Pad the last batch to a fixed shape (one compilation).
+        r = np.resize(rows[sl], batch_size)
+        p = np.resize(pos[sl], batch_size).astype(np.int32)
+        out[sl] = np.asarray(logprob(jnp.asarray(sequences[r]), jnp.asarray(p)))[:n]
+    return out.reshape(num, positions.size).mean(axis=1)
+
+
+def _base_store(recipe: Recipe, output_dir: Path) -> Path:
+    from dpbert.data.store import prepare_store
+
+    d = recipe.data
+    base = Path(d.store) if d.store else output_dir / "base_store"
+    prepare_store(
+        base, corpus=d.corpus, tokenizer=d.tokenizer, seq_len=d.seq_len, eval_fraction=d.eval_fraction,
+        seed=d.split_seed, train_vocab_size=d.train_vocab_size, num_proc=d.num_proc,
+    )
+    return base
+
+
+def _write_json(path: Path, obj: Any) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    with os.fdopen(fd, "w") as f:
+        json.dump(obj, f, indent=2, sort_keys=True)
+    os.replace(tmp, path)
+
+
+def _report(kind: str, recipe_path: str, claimed: float, result: Any, score: str) -> AuditReport:
+    return AuditReport(
+        kind=kind, recipe=str(recipe_path), epsilon_claimed=claimed, delta=result.delta,
+        epsilon_lower_bound=result.epsilon_lower_bound,
+        epsilon_lower_bound_max_over_k=result.epsilon_lower_bound_max_over_k,
+        confidence=result.confidence, num_canaries=result.num_canaries, num_included=result.num_included,
+        num_guesses=result.num_guesses, num_correct=result.num_correct, k_plus=result.k_plus,
+        k_minus=result.k_minus, num_candidates=result.num_candidates, score=score,
+    )
+
+
+def run_audit(
+    recipe_path: str | os.PathLike[str],
+    output_dir: str | os.PathLike[str],
+    *,
+    num_canaries: int = 1000,
+    kind: str = "input",
+    overrides: Iterable[str] = (),
+    confidence: float = 0.95,
+    progress: bool = True,
+    log: Callable[[str], None] = print,
+) -> AuditReport:
+    """Audit the recipe with `num_canaries` canaries of `kind`; writes OUTPUT_DIR/audit.json."""
+    if kind not in KINDS:
+        raise ValueError(f"kind: expected one of {list(KINDS)}, got {kind!r}")
+    if isinstance(num_canaries, bool) or not isinstance(num_canaries, int) or num_canaries < 2:
+        raise ValueError(f"canaries: expected an integer >= 2, got {num_canaries!r}")
+    overrides = list(overrides)
+    recipe = load_recipe(recipe_path, overrides)
+    if not recipe.privacy.enabled:
+        raise ValueError("recipe field 'privacy.enabled': an audit needs a private recipe (there is no claim to test)")
+    out = Path(output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    base = _base_store(recipe, out)
+    from dpbert.data.store import read_manifest
+
+    manifest = read_manifest(base)
+    n_train = manifest.num_examples("train")
+    _, canary_key = audit_keys(recipe.train.seed)
+    included = canary_inclusion(canary_key, num_canaries)
+
+    if kind == "gradient":
+        from dpbert.train.pretrain import make_plan
+
+        plan = make_plan(recipe, n_train + int(included.sum()))
+        config = GradientCanaryConfig(
+            schedule=plan.schedule, num_canaries=num_canaries, num_other_examples=n_train,
+            clip_norm=recipe.privacy.clip_norm, delta=recipe.privacy.delta, seed=recipe.train.seed,
+            microbatch_size=recipe.train.microbatch_size, accountant=recipe.privacy.accountant,
+            confidence=confidence,
+        )
+        log(f"audit: {num_canaries} gradient canaries ({int(included.sum())} in) through the real DP step, "
+            f"{plan.schedule.total_steps} steps over {n_train} + canaries examples")
+        result = run_gradient_canary_audit(config)
+        report = _report(kind, str(recipe_path), result.epsilon_claimed, result.audit, result.score)
+    else:
+        from dpbert.train.pretrain import pretrain
+
+        canaries = random_canaries(
+            jax.random.fold_in(canary_key, _TOKENS), num_canaries, seq_len=manifest.seq_len,
+            vocab_size=manifest.vocab_size, cls_id=manifest.cls_id, sep_id=manifest.sep_id,
+            special_token_ids=manifest.special_token_ids,
+        )
+        store = out / "store"
+        write_canary_store(base, store, canaries[included])
+        run_dir = out / "run"
+        run_dir.mkdir(parents=True, exist_ok=True)
+        # Marked before the first step, so even an interrupted audit run says what it is.
+        _write_json(run_dir / "AUDIT_RUN.json", {"audit": True, "kind": kind, "num_canaries": num_canaries,
+                                                 "num_included": int(included.sum()), "store": str(store)})
+        log(f"audit: {num_canaries} input canaries ({int(included.sum())} appended to the training set in {store})")
+        run = pretrain(recipe_path, run_dir, overrides=[*overrides, f"data.store={store}"], progress=progress,
+                       log=log)
+        # An audit model trained on canaries must not be released: drop the export and make
+        # its ledger unreadable as a release ledger.
+        shutil.rmtree(run_dir / "release", ignore_errors=True)
+        ledger_dict = json.loads((run_dir / "privacy.json").read_text())
+        ledger = PrivacyLedger.from_dict(ledger_dict)
+        _write_json(run_dir / "privacy.json", {**ledger_dict, "audit": True})
+        scores = pseudo_log_likelihood(run_dir / "hf", canaries, mask_id=manifest.mask_id)
+        delta = ledger.delta + ledger.truncation_delta(float(run.epsilon))
+        bound = audit_scores(scores, included, delta=min(delta, 1.0), confidence=confidence)
+        report = _report(kind, str(recipe_path), float(run.epsilon), bound, "pseudo_log_likelihood")
+        with open(run_dir / "metrics.jsonl", "a") as f:
+            record = {**report.to_dict(), "kind": "audit", "canary_kind": kind, "step": run.steps_done}
+            f.write(json.dumps(record, sort_keys=True) + "\n")
+    _write_json(out / "audit.json", report.to_dict())
+    return report
+
+
+def format_table(report: AuditReport) -> str:
+    """The audit as a two-column text table."""
+    rows = [
+        ("canary kind", report.kind),
+        ("canaries (included)", f"{report.num_canaries} ({report.num_included})"),
+        ("guesses (correct)", f"{report.num_guesses} ({report.num_correct}); k+={report.k_plus}, k-={report.k_minus}"),
+        ("claimed epsilon", f"{report.epsilon_claimed:.4g} at delta {report.delta:g}"),
+        (f"lower bound ({100 * report.confidence:g}% conf.)",
+         f"{report.epsilon_lower_bound:.4g} (Bonferroni over {report.num_candidates} guess counts)"),
+        ("max over guess counts", f"{report.epsilon_lower_bound_max_over_k:.4g} (as the paper reports; uncorrected)"),
+        ("score", report.score),
+    ]
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+
+
+def audit_main(args: Any) -> int:
+    """`dpbert audit` entry point (argparse namespace from dpbert.cli)."""
+    report = run_audit(
+        args.recipe, args.output_dir, num_canaries=args.canaries, kind=args.kind, overrides=args.set or (),
+        confidence=args.confidence, progress=not args.json, log=(lambda s: None) if args.json else print,
+    )
+    print(json.dumps(report.to_dict(), indent=2, sort_keys=True) if args.json else format_table(report))
+    return 0
