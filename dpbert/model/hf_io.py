@@ -191,7 +191,7 @@ def load_hf_state(model: nnx.Module, state: Mapping[str, np.ndarray], source: st
     mismatched = []
     for name, (path, var) in params.items():
         if name in state:
-            expected = _hf_shape(path, var[...].shape)
+            expected = _hf_shape(path, var.get_value().shape)
             if tuple(state[name].shape) != expected:
                 mismatched.append(f"{name}: expected shape {expected}, found {tuple(state[name].shape)}")
     if mismatched:
@@ -224,8 +224,16 @@ def from_pretrained(cls: type, path_or_id: str | os.PathLike[str], *, dtype: Any
         if not hasattr(config, field):
             raise ValueError(f"{field}: not a BertConfig field (config overrides must name existing fields)")
         setattr(config, field, value)
-    model = cls(config, rngs=nnx.Rngs(seed), dtype=dtype)
     state, source = read_state_dict(folder)
+
+    def build() -> nnx.Module:
+        return cls(config, rngs=nnx.Rngs(seed), dtype=dtype)
+
+    # Random initialisation is skipped when the checkpoint covers every parameter: the shapes
+    # come from an abstract model, and a BERT-Large load costs no 340M-parameter init.
+    model = nnx.eval_shape(build)
+    if any(name not in _align_prefix(state, getattr(model, "base_model_prefix", None)) for name in _model_params(model)):
+        model = build()
     load_hf_state(model, state, source)
     return model
 
