@@ -14,8 +14,8 @@ The auditor sees what the DP-SGD threat model lets it see: every intermediate mo
 consecutive models it recovers each step's noisy clipped sum on `aux` and scores canary j by
 the log-likelihood ratio of "in" versus "out" summed over steps: per step t with rate q_t and
 noise sigma_t, y = sum_j / (sigma_t C) is N(0, 1) if out and the mixture
-(1 - q_t) N(0, 1) + q_t N(1 / sigma_t, 1) if in, so the score adds
-log(1 - q_t + q_t exp(y / sigma_t - 1 / (2 sigma_t^2))). This is the most powerful per-canary
+(1 - q_t) N(0, 1) + q_t N(mu_t, 1) if in, mu_t = min(g, C) / (sigma_t C), so the score adds
+log(1 - q_t + q_t exp(mu_t y - mu_t^2 / 2)). This is the most powerful per-canary
 test (Neyman-Pearson), so the audit probes exactly the mechanism the accountant models.
 With a stage at noise multiplier 0 the ratio is undefined and the score is the plain sum.
 The one-run bound (`dpbert.privacy.audit`) then turns the scores into an epsilon lower bound.
@@ -192,7 +192,8 @@ def run_gradient_canary_audit(config: GradientCanaryConfig) -> CanaryAuditResult
             ) * stage.expected_batch_size
             if use_ratio:
                 y = noisy_sum / (sigma * c.clip_norm)
-                mu = 1.0 / sigma
+                # A member adds its clipped gradient min(g, C) to its coordinate: mean mu in y's units.
+                mu = min(g, c.clip_norm) / (sigma * c.clip_norm)
                 scores += np.logaddexp(np.log1p(-q), math.log(q) + mu * y - mu * mu / 2) if q < 1 else (
                     mu * y - mu * mu / 2
                 )
