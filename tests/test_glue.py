@@ -254,3 +254,119 @@ def test_metrics_against_hand_computed_values() -> None:
     assert predictions_from_logits(stsb, np.array([[4.5], [1.0]])).tolist() == [4.5, 1.0]
     with pytest.raises(ValueError, match="predictions"):
         compute_metrics(glue.get_task("rte"), np.array([1, 0]), np.array([1]))
+
+
+# ----------------------------------------------------------------------------- fine-tuning
+
+
+def _synthetic_sst2(folder: Path, n_train: int, n_dev: int, seed: int = 0) -> None:
+    """A separable task in SST-2's layout: label 1 sentences use one word set, label 0 another."""
+    rng = np.random.default_rng(seed)
+    pos, neg, filler = ["alpha", "beta", "gamma", "delta"], ["omega", "psi", "chi", "phi"], ["the", "a", "cat", "sat"]
+    folder.mkdir(parents=True)
+    for name, n in (("train.tsv", n_train), ("dev.tsv", n_dev)):
+        lines = ["sentence\tlabel"]
+        for label in rng.integers(0, 2, size=n):
+            words = list(rng.choice(pos if label else neg, size=rng.integers(2, 5))) + list(rng.choice(filler, size=rng.integers(0, 3)))
+            rng.shuffle(words)
+            lines.append(f"{' '.join(words)}\t{label}")
+        (folder / name).write_text("\n".join(lines) + "\n")
+
+
+def _tiny_model(folder: Path) -> None:
+    """A 1-layer random BERT saved like a dpbert export, with a WordPiece tokenizer trained here.
+
+    initializer_range 0.5 makes the random encoder's [CLS] features depend on the input (with
+    BERT's 0.02 the untrained attention passes almost nothing), standing in for pretraining so
+    that bias-only training has features to work with."""
+    from flax import nnx
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+    from transformers import BertConfig, PreTrainedTokenizerFast
+
+    from dpbert.model import BertForMaskedLM
+
+    tok = Tokenizer(models.WordPiece(unk_token="[UNK]"))
+    tok.normalizer = normalizers.BertNormalizer(lowercase=True)
+    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    special = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+    words = "alpha beta gamma delta omega psi chi phi the a cat sat"
+    tok.train_from_iterator([words] * 10, trainers.WordPieceTrainer(vocab_size=100, special_tokens=special))
+    cls_id, sep_id = tok.token_to_id("[CLS]"), tok.token_to_id("[SEP]")
+    tok.post_processor = processors.TemplateProcessing(
+        single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1", special_tokens=[("[CLS]", cls_id), ("[SEP]", sep_id)]
+    )
+    tok.decoder = decoders.WordPiece()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=tok, unk_token="[UNK]", pad_token="[PAD]", cls_token="[CLS]", sep_token="[SEP]", mask_token="[MASK]"
+    )
+    config = BertConfig(
+        vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
+        max_position_embeddings=32, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, initializer_range=0.5,
+    )  # fmt: skip
+    BertForMaskedLM(config, rngs=nnx.Rngs(0)).save_pretrained(str(folder))
+    tokenizer.save_pretrained(str(folder))
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("finetune")
+    _synthetic_sst2(root / "SST-2", n_train=800, n_dev=200)
+    _tiny_model(root / "model")
+    return root
+
+
+def test_recipe_is_the_default_config_and_overrides_name_fields() -> None:
+    from dpbert.train.finetune import FinetuneConfig, load_config
+
+    recipe = Path(__file__).resolve().parents[1] / "recipes" / "glue_finetune.yaml"
+    assert load_config(recipe) == FinetuneConfig()
+    config = load_config(recipe, ["dp=true", "private.learning_rate=1e-3", "privacy.epsilon=3"])
+    assert config.optim.learning_rate == 1e-3 and config.optim.trainable == "bias" and config.privacy.epsilon == 3.0
+    with pytest.raises(ValueError, match=r"'private.lr': unknown field.* \(in .*glue_finetune.yaml\)"):
+        load_config(recipe, ["private.lr=1"])
+    with pytest.raises(ValueError, match=r"'nonprivate.trainable': expected 'all' or 'bias', got 'lora'"):
+        load_config(None, ["nonprivate.trainable=lora"])
+
+
+def test_nonprivate_finetune_learns_and_writes_outputs(tiny: Path) -> None:
+    from dpbert.train.finetune import finetune, load_config
+
+    config = load_config(None, ["max_seq_len=12", "nonprivate.learning_rate=1e-3", "nonprivate.epochs=1"])
+    out = tiny / "out_np"
+    result = finetune(task="sst2", model=str(tiny / "model"), output_dir=out, data=tiny / "SST-2", config=config)
+    assert result["dev"]["validation"]["accuracy"] > 0.75  # chance is 0.5
+    assert result["n_train"] == 800 and result["steps"] == 25  # ceil(800 / 32)
+    assert result["trained"]["subset"] == "all" and result["trained"]["parameters"] == result["trained"]["total_parameters"]
+    assert result["privacy"] is None
+    assert json.loads((out / "metrics.json").read_text()) == result
+    evals = [json.loads(line) for line in (out / "evals.jsonl").read_text().splitlines()]
+    assert [e["split"] for e in evals] == ["validation"] and evals[-1]["accuracy"] == result["dev"]["validation"]["accuracy"]
+    saved = json.loads((out / "model" / "config.json").read_text())
+    assert saved["id2label"] == {"0": "negative", "1": "positive"}
+    assert (out / "model" / "model.safetensors").is_file() and (out / "model" / "tokenizer.json").is_file()
+
+
+def test_dp_finetune_from_the_cli_learns_and_spends_the_asked_epsilon(tiny: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from dpbert import cli
+    from dpbert.privacy.accounting import PrivacyLedger
+
+    out = tiny / "out_dp"
+    argv = ["finetune", "--task", "sst2", "--model", str(tiny / "model"), "--data-dir", str(tiny / "SST-2"),
+            "--output-dir", str(out), "--dp", "--epsilon", "8",
+            "--set", "max_seq_len=12", "--set", "private.batch_size=200", "--set", "private.learning_rate=1e-2",
+            "--set", "private.epochs=4"]  # fmt: skip
+    assert cli.main(argv) == 0
+    result = json.loads((out / "metrics.json").read_text())
+    assert result["dev"]["validation"]["accuracy"] > 0.75  # chance is 0.5
+    privacy = result["privacy"]
+    n = 800
+    assert privacy["delta"] == pytest.approx(1 / n**1.1) and privacy["delta_rule"] == "1/n^1.1"
+    assert privacy["expected_batch_size"] == 200 and privacy["steps"] == 16  # 4 epochs * 800 / 200
+    assert 8 * 0.99 <= privacy["epsilon"] <= 8.0  # calibrated to spend the budget, never more
+    ledger = PrivacyLedger.from_dict(json.loads((out / "privacy.json").read_text()))
+    assert ledger.dataset_size == n and ledger.stages[0].noise_multiplier == privacy["noise_multiplier"]
+    assert ledger.epsilon() == pytest.approx(privacy["epsilon"], rel=1e-6)
+    trained = result["trained"]
+    assert trained["subset"] == "bias" and 0 < trained["parameters"] < trained["total_parameters"] / 5
+    printed = capsys.readouterr().out
+    assert "noise_multiplier=" in printed and "1/n^1.1" in printed and "sst2" in printed.splitlines()[-1]

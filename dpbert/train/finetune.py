@@ -1,0 +1,671 @@
+"""GLUE fine-tuning of a BERT checkpoint, non-private or with DP-SGD on the task data.
+
+`finetune(task=..., model=..., output_dir=..., data=..., config=...)` runs one task and writes
+
+- `OUT/metrics.json`: the task's metrics on each dev set (both MNLI dev sets), the number of
+  training examples n, what was trained (subset and parameter count) and, for DP runs, the
+  task guarantee: epsilon, delta (and the rule that chose it), noise multiplier, clip norm,
+  expected batch size, steps, accountant; plus the pretraining guarantee of the source model
+  (its `privacy.json`), if it has one;
+- `OUT/evals.jsonl`: one JSON line per evaluation (after every epoch and at the end);
+- `OUT/privacy.json` (DP runs): the task-data ledger, from which anyone recomputes epsilon;
+- `OUT/model/`: the fine-tuned `BertForSequenceClassification` (Hugging Face names, loadable by
+  `transformers`) with its tokenizer.
+
+Training. Non-private: AdamW with linear warm-up then linear decay to 0, shuffled epochs of
+`batch_size` (the usual BERT fine-tuning recipe: lr 2e-5, batch 32, 3 epochs, 10 % warm-up,
+weight decay 0.01, max_seq_len 128). DP: the DP core (`dpbert.privacy`) with Poisson sampling
+of the task's training set at rate q = B/n, per-example clipping to `clip_norm`, Gaussian noise
+with the noise multiplier calibrated so the whole run spends exactly the requested
+(epsilon, delta); delta defaults to 1/n^1.1. The ledger of the task data is separate from the
+pretraining ledger: the two guarantees cover different data sets and are reported side by side,
+never composed.
+
+Trained subset (`trainable`). `all`: every parameter. `bias`: DP-BiTFiT-style, every bias term
+of the encoder (attention, feed-forward and LayerNorm biases; not the LayerNorm scales) plus the
+new classification head (pooler and classifier, all of it, because a checkpoint pretrained with
+masked-LM only has no pooler). Per-step DP noise has norm sigma*C*sqrt(d)/B for d trained
+parameters, so the DP default trains `bias` (d ~ 0.1-1 % of BERT) with large expected batches,
+a larger learning rate and more epochs; the non-private default trains `all`.
+Weight decay applies to weight matrices only (not biases, LayerNorm or embeddings), as in BERT.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import math
+import os
+import tempfile
+import time
+import typing
+from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import yaml
+from flax import nnx
+
+from dpbert.data import glue
+from dpbert.data.glue_metrics import compute_metrics, predictions_from_logits
+from dpbert.model import BertForSequenceClassification
+from dpbert.model.functional import classifier_logits
+
+Trainable = Literal["all", "bias"]
+# fold_in constants that separate the streams of one step's randomness.
+_DROPOUT_STREAM = 1
+_SHUFFLE_STREAM = 2
+
+
+def _check(ok: bool, field: str, expected: str, value: Any) -> None:
+    if not ok:
+        raise ValueError(f"finetune config field '{field}': expected {expected}, got {value!r}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class OptimConfig:
+    """One training mode's hyper-parameters. For DP, `batch_size` is the *expected* batch size
+    of Poisson sampling, capped at n // 4 so a small task still gets >= 4 steps per epoch.
+    `dropout: null` keeps the checkpoint's dropout rates; a number sets the hidden and
+    attention dropout (DP fine-tuning works better without dropout, Li et al. 2021)."""
+
+    trainable: Trainable
+    learning_rate: float
+    batch_size: int
+    epochs: float
+    dropout: float | None = None
+    warmup_fraction: float = 0.1
+    weight_decay: float = 0.01
+    b1: float = 0.9
+    b2: float = 0.999
+    eps: float = 1e-8
+
+    def __post_init__(self) -> None:
+        _check(self.trainable in ("all", "bias"), "trainable", "'all' or 'bias'", self.trainable)
+        _check(self.learning_rate > 0, "learning_rate", "a positive number", self.learning_rate)
+        _check(self.batch_size > 0, "batch_size", "a positive integer", self.batch_size)
+        _check(self.epochs > 0, "epochs", "a positive number", self.epochs)
+        _check(self.dropout is None or 0.0 <= self.dropout < 1.0, "dropout", "null or a rate in [0, 1)", self.dropout)
+        _check(0.0 <= self.warmup_fraction < 1.0, "warmup_fraction", "a fraction in [0, 1)", self.warmup_fraction)
+        _check(self.weight_decay >= 0, "weight_decay", "a number >= 0", self.weight_decay)
+        _check(0.0 <= self.b1 < 1.0, "b1", "a number in [0, 1)", self.b1)
+        _check(0.0 <= self.b2 < 1.0, "b2", "a number in [0, 1)", self.b2)
+        _check(self.eps > 0, "eps", "a positive number", self.eps)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PrivacyConfig:
+    """DP settings for the task data. `delta: null` means 1/n^1.1 (n = training examples)."""
+
+    epsilon: float = 8.0
+    delta: float | None = None
+    clip_norm: float = 1.0
+    accountant: Literal["pld", "rdp"] = "pld"
+
+    def __post_init__(self) -> None:
+        _check(self.epsilon > 0, "epsilon", "a positive number", self.epsilon)
+        _check(self.delta is None or 0.0 < self.delta < 1.0, "delta", "a probability in (0, 1) or null", self.delta)
+        _check(self.clip_norm > 0, "clip_norm", "a positive number", self.clip_norm)
+        _check(self.accountant in ("pld", "rdp"), "accountant", "'pld' or 'rdp'", self.accountant)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class FinetuneConfig:
+    """A fine-tuning recipe: shared settings, one `OptimConfig` per mode, the DP settings.
+
+    `dp` selects the mode: `private` + `privacy` when true, `nonprivate` otherwise.
+    `tokenizer: null` loads the tokenizer from the model folder. `microbatch_size` only trades
+    memory for speed (DP results do not depend on it).
+    """
+
+    dp: bool = False
+    max_seq_len: int = 128
+    seed: int = 0
+    tokenizer: str | None = None
+    eval_batch_size: int = 128
+    microbatch_size: int = 64
+    nonprivate: OptimConfig = OptimConfig(trainable="all", learning_rate=2e-5, batch_size=32, epochs=3.0)
+    private: OptimConfig = OptimConfig(
+        trainable="bias", learning_rate=5e-3, batch_size=1024, epochs=10.0, dropout=0.0, warmup_fraction=0.0,
+        weight_decay=0.0,
+    )
+    privacy: PrivacyConfig = PrivacyConfig()
+
+    def __post_init__(self) -> None:
+        _check(self.max_seq_len >= 8, "max_seq_len", "an integer >= 8", self.max_seq_len)
+        _check(self.seed >= 0, "seed", "an integer >= 0", self.seed)
+        _check(self.eval_batch_size > 0, "eval_batch_size", "a positive integer", self.eval_batch_size)
+        _check(self.microbatch_size > 0, "microbatch_size", "a positive integer", self.microbatch_size)
+
+    @property
+    def optim(self) -> OptimConfig:
+        return self.private if self.dp else self.nonprivate
+
+
+def _parse(cls: type, raw: Any, field: str) -> Any:
+    """A mapping -> frozen dataclass `cls`, recursively; unknown keys name their dotted field."""
+    if not isinstance(raw, Mapping):
+        raise ValueError(f"finetune config field '{field or 'recipe'}': expected a mapping, got {raw!r}")
+    hints = typing.get_type_hints(cls)
+    prefix = f"{field}." if field else ""
+    kwargs = {}
+    for key, value in raw.items():
+        if key not in hints:
+            raise ValueError(f"finetune config field '{prefix}{key}': unknown field; expected one of {', '.join(hints)}")
+        if dataclasses.is_dataclass(hints[key]):
+            default = cls.__dataclass_fields__[key].default
+            if isinstance(value, Mapping) and dataclasses.is_dataclass(default):
+                value = {**dataclasses.asdict(default), **value}  # a section overrides its defaults
+            value = _parse(hints[key], value, f"{prefix}{key}")
+        elif hints[key] is float and isinstance(value, int | str) and not isinstance(value, bool):
+            try:  # YAML reads 2e-5 as a string and 3 as an int
+                value = float(value)
+            except ValueError:
+                pass
+        kwargs[key] = value
+    try:
+        return cls(**kwargs)
+    except ValueError as err:
+        raise ValueError(str(err).replace("field '", f"field '{prefix}", 1)) from None
+    except TypeError as err:
+        raise ValueError(f"finetune config section '{field or 'recipe'}': {err}") from None
+
+
+def load_config(path: str | os.PathLike[str] | None = None, overrides: Iterable[str] = ()) -> FinetuneConfig:
+    """A `FinetuneConfig` from a YAML recipe (or the defaults) plus `key.path=value` overrides
+    (values parsed as YAML). Errors name the dotted field and, for a file, the file."""
+    raw: dict[str, Any] = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(f"recipe file not found: {path}")
+        try:
+            raw = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as err:
+            raise ValueError(f"recipe {path}: not valid YAML: {err}") from None
+    for override in overrides:
+        key, sep, text = override.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"override {override!r}: expected key.path=value")
+        *parents, last = key.strip().split(".")
+        node = raw
+        for part in parents:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ValueError(f"override {override!r}: '{part}' is a value, not a section")
+        node[last] = yaml.safe_load(text)
+    try:
+        return _parse(FinetuneConfig, raw, "")
+    except ValueError as err:
+        raise ValueError(f"{err} (in {path})" if path is not None else str(err)) from None
+
+
+# ----------------------------------------------------------------------------- parameters
+
+
+def _is_bias(path: tuple[Any, ...]) -> bool:
+    return str(path[-1]) == "bias"
+
+
+def _is_head(path: tuple[Any, ...]) -> bool:
+    return path[0] == "classifier" or (len(path) > 1 and path[1] == "pooler")
+
+
+def trainable_filter(subset: Trainable) -> Callable[[tuple[Any, ...], Any], bool]:
+    """nnx filter `(path, value) -> bool` selecting the parameters `subset` trains."""
+    if subset == "all":
+        return lambda path, value: True
+    if subset == "bias":
+        return lambda path, value: _is_bias(path) or _is_head(path)
+    raise ValueError(f"trainable: expected 'all' or 'bias', got {subset!r}")
+
+
+def _decay_mask(params: nnx.State) -> Any:
+    # BERT's convention: decay weight matrices only (Linear kernels), never biases, LayerNorm or embeddings.
+    return jax.tree_util.tree_map_with_path(
+        lambda path, _: getattr(path[-1], "key", None) == "kernel", params
+    )
+
+
+def count_params(params: Any) -> int:
+    return int(sum(np.prod(x.shape) for x in jax.tree_util.tree_leaves(params)))
+
+
+def make_optimizer(optim: OptimConfig, total_steps: int, params: nnx.State) -> optax.GradientTransformation:
+    """AdamW with linear warm-up over `warmup_fraction` of `total_steps`, then linear decay to 0."""
+    warmup = int(round(optim.warmup_fraction * total_steps))
+    schedule = optax.join_schedules(
+        [
+            optax.linear_schedule(0.0, optim.learning_rate, max(warmup, 1)),
+            optax.linear_schedule(optim.learning_rate, 0.0, max(total_steps - warmup, 1)),
+        ],
+        boundaries=[warmup],
+    ) if warmup > 0 else optax.linear_schedule(optim.learning_rate, 0.0, max(total_steps, 1))  # fmt: skip
+    return optax.adamw(
+        schedule, b1=optim.b1, b2=optim.b2, eps=optim.eps, weight_decay=optim.weight_decay, mask=_decay_mask(params)
+    )
+
+
+# ----------------------------------------------------------------------------- loss / eval
+
+
+def _example_loss(task: glue.GlueTask, logits: jax.Array, label: jax.Array) -> jax.Array:
+    """Per-example loss: cross-entropy, or squared error for STS-B (as transformers' heads)."""
+    if task.is_regression:
+        return jnp.square(logits[..., 0].astype(jnp.float32) - label)
+    return optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), label)
+
+
+class _Forward:
+    """Logits as a pure function of (trainable, frozen) params; `graphdef` is static."""
+
+    def __init__(self, graphdef: nnx.GraphDef, frozen: nnx.State) -> None:
+        self.graphdef = graphdef
+        self.frozen = frozen
+        self.inference = jax.jit(lambda trainable, frozen, batch: self(trainable, frozen, batch, None))
+
+    def __call__(self, trainable: nnx.State, frozen: nnx.State, batch: Mapping[str, jax.Array], rng: jax.Array | None):
+        params = nnx.merge_state(trainable, frozen)
+        return classifier_logits(
+            self.graphdef, params, batch["input_ids"], batch["attention_mask"], batch["token_type_ids"], rng
+        )
+
+
+def evaluate(
+    forward: _Forward, trainable: nnx.State, task: glue.GlueTask, data: Mapping[str, np.ndarray], batch_size: int
+) -> dict[str, float]:
+    """Task metrics of the model on one encoded split (inference mode, no dropout)."""
+    n = len(data["labels"])
+    batch_size = min(batch_size, n)
+    outputs = []
+    for start in range(0, n, batch_size):
+        idx = np.arange(start, start + batch_size) % n  # pad the last batch to a static shape
+        batch = {k: data[k][idx] for k in ("input_ids", "attention_mask", "token_type_ids")}
+        outputs.append(np.asarray(forward.inference(trainable, forward.frozen, batch))[: min(batch_size, n - start)])
+    preds = predictions_from_logits(task, np.concatenate(outputs))
+    return compute_metrics(task, preds, data["labels"])
+
+
+# ----------------------------------------------------------------------------- outputs
+
+
+def _write_json(path: Path, obj: Any) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(obj, f, indent=2, sort_keys=False)
+            f.write("\n")
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def _append_jsonl(path: Path, record: Mapping[str, Any]) -> None:
+    with path.open("a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+def _read_pretraining_privacy(model_dir: Path) -> dict[str, Any] | None:
+    path = model_dir / "privacy.json"
+    if not path.is_file():
+        return None
+    with path.open() as f:
+        return json.load(f)
+
+
+# ----------------------------------------------------------------------------- training
+
+
+def _load_model_and_tokenizer(task: glue.GlueTask, model: str, config: FinetuneConfig) -> tuple[Any, Any, Path]:
+    from transformers import AutoTokenizer
+
+    from dpbert.release.hub import resolve_pretrained
+
+    # A folder as is; a Hub id through the release's pull path (a privacy claim is verified first).
+    model_dir = resolve_pretrained(model)
+    overrides: dict[str, Any] = {"num_labels": task.num_labels}
+    if config.optim.dropout is not None:
+        overrides.update(hidden_dropout_prob=config.optim.dropout, attention_probs_dropout_prob=config.optim.dropout)
+    if task.label_names is not None:
+        overrides["id2label"] = dict(enumerate(task.label_names))
+        overrides["label2id"] = {name: i for i, name in enumerate(task.label_names)}
+    net = BertForSequenceClassification.from_pretrained(str(model_dir), seed=config.seed, **overrides)
+    tok_dir = Path(config.tokenizer) if config.tokenizer else model_dir
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(tok_dir))
+    except (OSError, ValueError) as err:
+        raise FileNotFoundError(
+            f"{tok_dir}: no tokenizer found ({err}); pass --set tokenizer=FOLDER"
+        ) from None
+    return net, tokenizer, model_dir
+
+
+def _nonprivate_train(
+    forward: _Forward,
+    trainable: nnx.State,
+    task: glue.GlueTask,
+    train: Mapping[str, np.ndarray],
+    optim: OptimConfig,
+    run_key: jax.Array,
+    on_epoch: Callable[[int, int, nnx.State], None],
+) -> tuple[nnx.State, int]:
+    n = len(train["labels"])
+    batch_size = min(optim.batch_size, n)
+    steps_per_epoch = math.ceil(n / batch_size)
+    total_steps = max(1, math.ceil(optim.epochs * steps_per_epoch))
+    tx = make_optimizer(optim, total_steps, trainable)
+    opt_state = tx.init(trainable)
+
+    @jax.jit
+    def step(trainable, opt_state, frozen, batch, is_padding, key):
+        def loss_fn(p):
+            logits = forward(p, frozen, batch, jax.random.fold_in(key, _DROPOUT_STREAM))
+            losses = _example_loss(task, logits, batch["labels"])
+            weights = 1.0 - is_padding.astype(jnp.float32)
+            # Non-private: the mean over the real examples of this (possibly short, last) batch.
+            return jnp.sum(losses * weights) / jnp.maximum(jnp.sum(weights), 1.0)
+
+        loss, grads = jax.value_and_grad(loss_fn)(trainable)
+        updates, opt_state = tx.update(grads, opt_state, trainable)
+        return optax.apply_updates(trainable, updates), opt_state, loss
+
+    t = 0
+    while t < total_steps:
+        epoch = t // steps_per_epoch
+        # The epoch's order comes from the key of its first step, like all randomness of a step.
+        order = np.asarray(jax.random.permutation(jax.random.fold_in(jax.random.fold_in(run_key, t), _SHUFFLE_STREAM), n))
+        for b in range(steps_per_epoch):
+            if t >= total_steps:
+                break
+            chunk = order[b * batch_size : (b + 1) * batch_size]
+            is_padding = np.arange(batch_size) >= len(chunk)
+            idx = np.resize(chunk, batch_size)
+            batch = {k: v[idx] for k, v in train.items()}
+            trainable, opt_state, loss = step(
+                trainable, opt_state, forward.frozen, batch, is_padding, jax.random.fold_in(run_key, t)
+            )
+            if not np.isfinite(float(loss)):
+                raise FloatingPointError(f"non-finite training loss at step {t}: lower optim.learning_rate")
+            t += 1
+        if t < total_steps:  # the caller evaluates the final model itself
+            on_epoch(epoch + 1, t, trainable)
+    return trainable, total_steps
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DPPlan:
+    """The public numbers of a DP fine-tuning run, fixed before it starts; `ledger` is the
+    task-data ledger (its `epsilon()` recomputes the guarantee)."""
+
+    epsilon: float
+    delta: float
+    delta_rule: str
+    noise_multiplier: float
+    expected_batch_size: int
+    physical_batch_size: int
+    steps: int
+    steps_per_epoch: int
+    ledger: Any
+
+    def summary(self) -> dict[str, Any]:
+        stage = self.ledger.stages[0]
+        return {
+            "epsilon": self.ledger.epsilon(),
+            "target_epsilon": self.epsilon,
+            "delta": self.delta,
+            "delta_rule": self.delta_rule,
+            "truncation_delta": self.ledger.truncation_delta(),
+            "noise_multiplier": self.noise_multiplier,
+            "clip_norm": self.ledger.clip_norm,
+            "expected_batch_size": self.expected_batch_size,
+            "physical_batch_size": self.physical_batch_size,
+            "sampling_rate": stage.sampling_rate,
+            "steps": self.steps,
+            "accountant": self.ledger.accountant,
+            "dataset_size": self.ledger.dataset_size,
+            "privacy_unit": self.ledger.privacy_unit,
+            "sampling": self.ledger.sampling,
+        }
+
+
+def plan_dp(n: int, config: FinetuneConfig) -> DPPlan:
+    """Calibrate the noise so that Poisson-sampled DP-SGD over n examples spends exactly
+    `config.privacy.epsilon` at delta (default 1/n^1.1); refuse a plan that breaks the budget."""
+    from dpbert.privacy.accounting import PrivacyLedger, calibrate_noise_multiplier
+    from dpbert.privacy.sampling import physical_batch_size
+    from dpbert.privacy.schedule import BatchSchedule
+
+    optim, priv = config.private, config.privacy
+    if n < 8:
+        raise ValueError(f"DP fine-tuning needs at least 8 training examples, got n={n}")
+    delta, rule = (priv.delta, "given") if priv.delta is not None else (1.0 / n**1.1, "1/n^1.1")
+    batch = min(optim.batch_size, n // 4)
+    steps_per_epoch = max(1, round(n / batch))
+    steps = max(1, math.ceil(optim.epochs * n / batch))
+    schedule = calibrate_noise_multiplier(
+        BatchSchedule.constant(steps=steps, expected_batch_size=batch, noise_multiplier=1.0),
+        dataset_size=n, target_epsilon=priv.epsilon, delta=delta, accountant=priv.accountant,
+    )  # fmt: skip
+    physical = physical_batch_size(batch, n, multiple=min(config.microbatch_size, batch))
+    ledger = PrivacyLedger.for_schedule(
+        schedule, dataset_size=n, delta=delta, clip_norm=priv.clip_norm, accountant=priv.accountant,
+        physical_batch_sizes=[physical], target_epsilon=priv.epsilon,
+    )  # fmt: skip
+    ledger.check_budget()
+    return DPPlan(
+        epsilon=priv.epsilon, delta=delta, delta_rule=rule, noise_multiplier=schedule.stages[0].noise_multiplier,
+        expected_batch_size=batch, physical_batch_size=physical, steps=steps, steps_per_epoch=steps_per_epoch,
+        ledger=ledger,
+    )  # fmt: skip
+
+
+def _dp_train(
+    forward: _Forward,
+    trainable: nnx.State,
+    task: glue.GlueTask,
+    train: Mapping[str, np.ndarray],
+    config: FinetuneConfig,
+    plan: DPPlan,
+    run_key: jax.Array,
+    on_epoch: Callable[[int, int, nnx.State], None],
+) -> tuple[nnx.State, int]:
+    from dpbert.privacy.clipping import clipped_grad_sum
+    from dpbert.privacy.noise import privatize
+    from dpbert.privacy.randomness import example_key, noise_key, step_key
+    from dpbert.privacy.sampling import poisson_sample
+
+    n = len(train["labels"])
+    tx = make_optimizer(config.private, plan.steps, trainable)
+    opt_state = tx.init(trainable)
+    microbatch = min(config.microbatch_size, plan.expected_batch_size)
+    clip_norm = config.privacy.clip_norm
+
+    # The DP core's clipped sum and Gaussian mechanism, as in dpbert.privacy.dp_step, with one
+    # addition: the frozen parameters enter as a traced argument (not a captured constant), and
+    # only the trainable ones are differentiated, clipped and noised.
+    @functools.partial(jax.jit, donate_argnums=(0, 1))
+    def step(trainable, opt_state, frozen, batch, is_padding, key):
+        def example_loss(params: nnx.State, example: Mapping[str, jax.Array], rng: jax.Array) -> jax.Array:
+            return _example_loss(task, forward(params, frozen, example, rng), example["labels"])
+
+        total, _ = clipped_grad_sum(
+            example_loss, trainable, batch, is_padding, example_key(key), clip_norm=clip_norm, microbatch_size=microbatch
+        )
+        grads = privatize(
+            total, noise_key(key), clip_norm=clip_norm, noise_multiplier=plan.noise_multiplier,
+            expected_batch_size=plan.expected_batch_size,
+        )  # fmt: skip
+        updates, opt_state = tx.update(grads, opt_state, trainable)
+        return optax.apply_updates(trainable, updates), opt_state
+
+    for t in range(plan.steps):
+        sample = poisson_sample(run_key, t, n, plan.expected_batch_size, plan.physical_batch_size)
+        batch = {k: v[sample.indices] for k, v in train.items()}
+        trainable, opt_state = step(trainable, opt_state, forward.frozen, batch, sample.is_padding, step_key(run_key, t))
+        if (t + 1) % plan.steps_per_epoch == 0 and t + 1 < plan.steps:
+            on_epoch((t + 1) // plan.steps_per_epoch, t + 1, trainable)
+    return trainable, plan.steps
+
+
+def finetune(
+    *,
+    task: str | glue.GlueTask,
+    model: str,
+    output_dir: str | os.PathLike[str],
+    data: str | os.PathLike[str] = glue.HUB_DATASET_ID,
+    config: FinetuneConfig = FinetuneConfig(),
+    log: Callable[[str], None] = print,
+) -> dict[str, Any]:
+    """Fine-tune `model` (a BERT folder, or a Hub id resolvable by `dpbert.model`) on one GLUE
+    task read from `data` (a task folder or a Hub dataset id). Returns what `metrics.json` holds."""
+    task = task if isinstance(task, glue.GlueTask) else glue.get_task(task)
+    out = Path(output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    started = time.time()
+
+    splits = glue.load_task(task, data)
+    net, tokenizer, model_dir = _load_model_and_tokenizer(task, model, config)
+    encoded = {name: glue.encode(s, tokenizer, config.max_seq_len) for name, s in splits.items()}
+    train = encoded["train"]
+    n = len(train["labels"])
+    optim = config.optim
+
+    graphdef, params = nnx.split(net, nnx.Param)
+    trainable, frozen = params.split(trainable_filter(optim.trainable), ...)
+    forward = _Forward(graphdef, frozen)
+    n_trained, n_total = count_params(trainable), count_params(params)
+    trained = {
+        "subset": optim.trainable,
+        "parameters": n_trained,
+        "total_parameters": n_total,
+        "description": (
+            "all parameters" if optim.trainable == "all"
+            else "bias terms of the encoder (incl. LayerNorm biases) + pooler + classifier"
+        ),
+    }  # fmt: skip
+    log(f"[{task.name}] n={n} train examples; training {trained['description']}: {n_trained:,} of {n_total:,} parameters")
+
+    evals_path = out / "evals.jsonl"
+    evals_path.unlink(missing_ok=True)
+    run_key = jax.random.key(config.seed)
+
+    def evaluate_all(epoch: float, step: int, current: nnx.State) -> dict[str, dict[str, float]]:
+        results = {}
+        for split in task.eval_splits:
+            results[split] = evaluate(forward, current, task, encoded[split], config.eval_batch_size)
+            _append_jsonl(evals_path, {"task": task.name, "split": split, "epoch": epoch, "step": step, **results[split]})
+        log(f"[{task.name}] epoch {epoch} step {step}: " + json.dumps(results))
+        return results
+
+    privacy: dict[str, Any] | None = None
+    if config.dp:
+        plan = plan_dp(n, config)
+        log(
+            f"[{task.name}] DP: epsilon={plan.epsilon:g}, delta={plan.delta:.3g} ({plan.delta_rule}), "
+            f"noise_multiplier={plan.noise_multiplier:.4g}, clip_norm={config.privacy.clip_norm:g}, "
+            f"expected batch {plan.expected_batch_size} (q={plan.ledger.stages[0].sampling_rate:.4g}), "
+            f"physical batch {plan.physical_batch_size}, {plan.steps} steps"
+        )
+        _write_json(out / "privacy.json", plan.ledger.to_dict())
+        trainable, steps = _dp_train(forward, trainable, task, train, config, plan, run_key, evaluate_all)
+        privacy = plan.summary()
+    else:
+        trainable, steps = _nonprivate_train(forward, trainable, task, train, optim, run_key, evaluate_all)
+
+    final = evaluate_all(float(optim.epochs), steps, trainable)
+    nnx.update(net, nnx.merge_state(trainable, frozen))
+    model_out = out / "model"
+    net.save_pretrained(str(model_out))
+    tokenizer.save_pretrained(str(model_out))
+
+    result = {
+        "task": task.name,
+        "model": str(model),
+        "data": str(data),
+        "n_train": n,
+        "dev": final,
+        "trained": trained,
+        "steps": steps,
+        "private": config.dp,
+        "privacy": privacy,
+        "pretraining_privacy": _read_pretraining_privacy(model_dir),
+        "config": dataclasses.asdict(config),
+        "seconds": round(time.time() - started, 1),
+    }
+    _write_json(out / "metrics.json", result)
+    return result
+
+
+# ----------------------------------------------------------------------------- all tasks
+
+
+def finetune_all(
+    *,
+    model: str,
+    output_dir: str | os.PathLike[str],
+    glue_root: str | os.PathLike[str],
+    config: FinetuneConfig = FinetuneConfig(),
+    log: Callable[[str], None] = print,
+) -> dict[str, dict[str, Any]]:
+    """Run every task found under a GLUE root folder into OUT/<task>/ and log one table."""
+    results = {}
+    for name, folder in glue.find_tasks(glue_root).items():
+        results[name] = finetune(task=name, model=model, output_dir=Path(output_dir) / name, data=folder, config=config, log=log)
+    log(summary_table(results.values()))
+    return results
+
+
+def summary_table(results: Iterable[Mapping[str, Any]]) -> str:
+    """One row per task: dev metrics (x100, as GLUE tables print them), epsilon for DP runs."""
+    rows = [("task", "dev set", "metrics", "n", "trained", "epsilon")]
+    for r in results:
+        eps = f"{r['privacy']['epsilon']:.2f}" if r.get("privacy") else "-"
+        for split, metrics in r["dev"].items():
+            text = ", ".join(f"{k} {100 * v:.1f}" for k, v in metrics.items())
+            rows.append((r["task"], split, text, str(r["n_train"]), r["trained"]["subset"], eps))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in rows)
+
+
+def read_results(output_root: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    """The metrics.json of every task run under `output_root` (one level down), in GLUE order."""
+    root = Path(output_root)
+    found = {p.parent.name: p for p in root.glob("*/metrics.json")}
+    order = [t for t in glue.GLUE_TASKS if t in found] + sorted(set(found) - set(glue.GLUE_TASKS))
+    if not order:
+        raise FileNotFoundError(f"{root}: no */metrics.json (expected one folder per fine-tuned task)")
+    return [json.loads(found[t].read_text()) for t in order]
+
+
+def main(args: Any) -> int:
+    """`dpbert finetune`: flags -> `FinetuneConfig` (recipe, then --set, then --dp/--epsilon/--delta)."""
+    overrides = list(args.set or [])
+    if args.epsilon is not None or args.delta is not None:
+        if not args.dp:
+            raise ValueError("--epsilon/--delta: only meaningful with --dp")
+    if args.dp:
+        overrides.append("dp=true")
+    if args.epsilon is not None:
+        overrides.append(f"privacy.epsilon={args.epsilon}")
+    if args.delta is not None:
+        overrides.append(f"privacy.delta={args.delta}")
+    config = load_config(args.recipe, overrides)
+    if args.task == "all":
+        if args.data_dir is None:
+            raise ValueError("--data-dir: --task all needs a GLUE root folder (CoLA/, SST-2/, ...)")
+        finetune_all(model=args.model, output_dir=args.output_dir, glue_root=args.data_dir, config=config)
+    else:
+        result = finetune(
+            task=args.task, model=args.model, output_dir=args.output_dir,
+            data=args.data_dir or glue.HUB_DATASET_ID, config=config,
+        )  # fmt: skip
+        print(summary_table([result]))
+    return 0
