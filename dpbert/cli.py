@@ -213,9 +213,34 @@ def _add_account(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
+def _add_audit(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "audit",
+        help="measure an empirical lower bound on a recipe's epsilon with canaries (one run)",
+        description="Insert canaries (each with probability 1/2), run the recipe's DP training, and turn how well "
+        "the canaries' membership can be guessed into a lower bound on epsilon (Steinke, Nasr, Jagielski 2023). "
+        "Writes OUTPUT_DIR/audit.json; the audit run is marked and never released.",
+    )
+    p.add_argument("recipe", metavar="RECIPE", help="recipe YAML file (see recipes/); must be private")
+    p.add_argument("--output-dir", required=True, metavar="DIR", help="audit folder (audit.json, run/, store/)")
+    p.add_argument("--canaries", type=int, default=1000, metavar="M", help="number of canaries (default 1000)")
+    p.add_argument("--kind", choices=["input", "gradient"], default="input",
+                   help="input: random sequences, black box (default); gradient: Dirac gradients in the DP step")
+    p.add_argument("--confidence", type=float, default=0.95, help="confidence of the lower bound (default 0.95)")
+    p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a recipe field (repeatable)")
+    p.add_argument("--json", action="store_true", help="print audit.json's object instead of a table")
+
+    def run(args: argparse.Namespace) -> int:
+        from dpbert.train.audit import audit_main
+
+        return audit_main(args)
+
+    p.set_defaults(func=run)
+
+
 def _commands() -> list[Callable[..., None]]:
     """Subcommands in the order `dpbert --help` lists them (only ones that work)."""
-    return [_add_prepare, _add_account, _add_export, _add_push, _add_pull, _add_verify, _add_finetune, _add_demo]
+    return [_add_prepare, _add_account, _add_export, _add_push, _add_pull, _add_verify, _add_audit, _add_finetune, _add_demo]
 
 
 def build_parser() -> argparse.ArgumentParser:
