@@ -1,0 +1,142 @@
+"""Benchmark of the DP-SGD step against the non-private step, its memory, and sampling.
+
+Prints, for a tiny (2 layers x 128) and a mini (4 x 256) BERT at sequence length 128 and
+vocabulary 8192, with the same physical batch and micro-batch:
+- examples/s of the DP step and of the non-private step, and their ratio;
+- compiled memory of the DP step at expected batch 1,024 vs 65,536 with the micro-batch fixed
+  (XLA's memory analysis of the compiled step: working memory, and working memory plus the
+  batch itself, which is O(B) by nature), and their ratios;
+- seconds per Poisson sample call at N = 500,000,000, B = 2,097,152.
+
+Run: `python benchmarks/dp_step.py [--steps 3] [--batch 32] [--microbatch 8]`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from transformers import BertConfig
+
+from dpbert.model import functional
+from dpbert.model.bert import BertForMaskedLM
+from dpbert.privacy import (
+    default_optimizer,
+    make_dp_train_step,
+    make_train_step,
+    physical_batch_size,
+    poisson_sample,
+    step_key,
+)
+
+SEQ, VOCAB, MASKED = 128, 8192, 20  # 20 of 128 positions ~ 15% masking
+CONFIGS = {"tiny (2x128)": (2, 128), "mini (4x256)": (4, 256)}
+
+
+def build(layers: int, hidden: int):
+    config = BertConfig(
+        vocab_size=VOCAB, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=max(hidden // 64, 2),
+        intermediate_size=4 * hidden, max_position_embeddings=SEQ,
+    )
+    graphdef, params = functional.split_params(BertForMaskedLM(config, rngs=nnx.Rngs(0)))
+
+    def loss_fn(params, example, rng):
+        logits = functional.mlm_logits(
+            graphdef, params, example["input_ids"], example["attention_mask"], None, rng,
+            masked_positions=example["masked_positions"],
+        )
+        return jnp.mean(optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), example["labels"]))
+
+    return loss_fn, params
+
+
+def batch_of(n: int):
+    rng = np.random.default_rng(0)
+    return {
+        "input_ids": jnp.asarray(rng.integers(5, VOCAB, size=(n, SEQ)), jnp.int32),
+        "attention_mask": jnp.ones((n, SEQ), jnp.int32),
+        "masked_positions": jnp.asarray(np.sort(rng.choice(SEQ, size=(n, MASKED)), axis=1), jnp.int32),
+        "labels": jnp.asarray(rng.integers(5, VOCAB, size=(n, MASKED)), jnp.int32),
+    }
+
+
+def examples_per_second(step, params, opt, batch, pad, steps: int) -> float:
+    key = jax.random.key(0)
+    p = jax.tree.map(jnp.copy, params)  # the step donates its inputs
+    s = opt.init(p)
+    p, s, m = step(p, s, batch, pad, step_key(key, 0))  # compile + warm up
+    jax.block_until_ready(m)
+    start = time.perf_counter()
+    for t in range(1, steps + 1):
+        p, s, m = step(p, s, batch, pad, step_key(key, t))
+    jax.block_until_ready((p, m))
+    return steps * pad.shape[0] / (time.perf_counter() - start)
+
+
+def compiled_memory(loss_fn, params, opt, expected: int, microbatch: int) -> tuple[int, int]:
+    """(working bytes, working + argument bytes) of the compiled DP step at this expected batch."""
+    physical = physical_batch_size(expected, 10 * expected, multiple=microbatch)
+    step = make_dp_train_step(
+        loss_fn, opt, clip_norm=1.0, noise_multiplier=1.0, expected_batch_size=expected, microbatch_size=microbatch
+    )
+    shapes = jax.eval_shape(lambda: batch_of(1))
+    batch = {k: jax.ShapeDtypeStruct((physical,) + v.shape[1:], v.dtype) for k, v in shapes.items()}
+    pad = jax.ShapeDtypeStruct((physical,), jnp.bool_)
+    opt_state = jax.eval_shape(opt.init, params)
+    key = jax.eval_shape(lambda: jax.random.key(0))
+    mem = step.lower(params, opt_state, batch, pad, key).compile().memory_analysis()
+    work = mem.temp_size_in_bytes
+    return work, work + mem.argument_size_in_bytes
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--batch", type=int, default=16, help="physical batch for throughput")
+    parser.add_argument("--microbatch", type=int, default=8)
+    args = parser.parse_args()
+    print(f"devices: {jax.devices()}")
+    pad = jnp.zeros(args.batch, bool)
+    batch = batch_of(args.batch)
+    for name, (layers, hidden) in CONFIGS.items():
+        loss_fn, params = build(layers, hidden)
+        opt = default_optimizer(1e-4)
+        dp = make_dp_train_step(
+            loss_fn, opt, clip_norm=1.0, noise_multiplier=1.0, expected_batch_size=args.batch,
+            microbatch_size=args.microbatch,
+        )
+        plain = make_train_step(loss_fn, opt, microbatch_size=args.microbatch)
+        dp_rate = examples_per_second(dp, params, opt, batch, pad, args.steps)
+        plain_rate = examples_per_second(plain, params, opt, batch, pad, args.steps)
+        print(
+            f"{name}: DP step {dp_rate:8.1f} ex/s | non-private {plain_rate:8.1f} ex/s | "
+            f"DP/non-private = {dp_rate / plain_rate:.2f}  (batch {args.batch}, micro-batch {args.microbatch}, seq {SEQ})"
+        )
+        small = compiled_memory(loss_fn, params, opt, 1024, args.microbatch)
+        large = compiled_memory(loss_fn, params, opt, 65_536, args.microbatch)
+        print(
+            f"{name}: DP step memory, expected batch 1,024 vs 65,536 (micro-batch {args.microbatch}): "
+            f"working {small[0] / 2**20:.1f} MiB vs {large[0] / 2**20:.1f} MiB (ratio {large[0] / small[0]:.3f}); "
+            f"with the batch itself {small[1] / 2**20:.1f} vs {large[1] / 2**20:.1f} MiB (ratio {large[1] / small[1]:.2f})"
+        )
+    n, b = 500_000_000, 2_097_152
+    physical = physical_batch_size(b, n)
+    key = jax.random.key(0)
+    poisson_sample(key, 0, n, b, physical)
+    start = time.perf_counter()
+    for t in range(1, 4):
+        sample = poisson_sample(key, t, n, b, physical)
+    per_call = (time.perf_counter() - start) / 3
+    print(
+        f"sampling: N={n:,} B={b:,} physical {physical:,} (+{(physical - b) / b:.2%}): {per_call:.3f} s per call, "
+        f"{sample.indices.nbytes / 2**20:.0f} MiB of indices"
+    )
+
+
+if __name__ == "__main__":
+    main()
