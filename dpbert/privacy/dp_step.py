@@ -13,8 +13,10 @@
 `make_train_step(...)` is the non-private baseline with the same signature: plain gradient
 of the mean loss over the real examples, no clipping, no noise.
 
-Devices: with `mesh`, the batch (leading axis) is sharded over `data_axis` and params and
-optimizer state are replicated; the physical batch must divide evenly over the devices.
+Devices: with `mesh`, the batch (leading axis) is sharded over `data_axis` (one mesh axis, or
+a tuple of axes the batch is split over together) and params and optimizer state are
+replicated, or placed as `state_shardings` says (e.g. FSDP: sharded at rest, gathered for
+the per-example gradients); the physical batch must divide evenly over the devices.
 params and opt_state are donated (pass fresh references each step).
 
 Guarantees: only `private/*` metrics are functions of the noised gradient; `nonprivate/*`
@@ -55,13 +57,17 @@ def default_optimizer(
     return optax.adamw(learning_rate, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay)
 
 
+DataAxis = str | tuple[str, ...]
+
+
 def _global_sum_fn(
-    sum_fn: Callable[..., tuple[Any, ClipStats]], mesh: Mesh | None, data_axis: str
+    sum_fn: Callable[..., tuple[Any, ClipStats]], mesh: Mesh | None, data_axis: DataAxis
 ) -> Callable[[Any, Any, jax.Array, jax.Array], tuple[Any, ClipStats]]:
     """sum_fn over the whole batch: directly, or per device shard followed by one psum."""
     if mesh is None:
         return lambda params, batch, is_padding, key: sum_fn(params, batch, is_padding, key)
-    if data_axis not in mesh.axis_names:
+    axes = (data_axis,) if isinstance(data_axis, str) else tuple(data_axis)
+    if not axes or any(a not in mesh.axis_names for a in axes):
         raise ValueError(f"data_axis={data_axis!r} is not an axis of the mesh {mesh.axis_names}")
 
     def local(params: Any, batch: Any, is_padding: jax.Array, key: jax.Array):
@@ -69,7 +75,7 @@ def _global_sum_fn(
         offset = jax.lax.axis_index(data_axis) * is_padding.shape[0]
         # Mark the replicated params as per-device: otherwise the gradient with respect to an
         # unvarying input is transposed into an implicit psum inside every per-example grad.
-        params = jax.lax.pcast(params, (data_axis,), to="varying")
+        params = jax.lax.pcast(params, axes, to="varying")
         total, stats = sum_fn(params, batch, is_padding, key, position_offset=offset)
         return jax.lax.psum((total, stats), data_axis)
 
@@ -78,16 +84,20 @@ def _global_sum_fn(
     )
 
 
-def _jit(step: Callable[..., Any], mesh: Mesh | None, data_axis: str, donate: bool) -> StepFn:
+def _jit(
+    step: Callable[..., Any], mesh: Mesh | None, data_axis: DataAxis, donate: bool,
+    state_shardings: tuple[Any, Any] | None,
+) -> StepFn:
     donate_argnums = (0, 1) if donate else ()
     if mesh is None:
         return jax.jit(step, donate_argnums=donate_argnums)
     replicated = NamedSharding(mesh, P())
     sharded = NamedSharding(mesh, P(data_axis))
+    params_sh, opt_sh = state_shardings if state_shardings is not None else (replicated, replicated)
     return jax.jit(
         step,
-        in_shardings=(replicated, replicated, sharded, sharded, replicated),
-        out_shardings=replicated,
+        in_shardings=(params_sh, opt_sh, sharded, sharded, replicated),
+        out_shardings=(params_sh, opt_sh, replicated),
         donate_argnums=donate_argnums,
     )
 
@@ -120,22 +130,36 @@ def make_dp_train_step(
     expected_batch_size: int,
     microbatch_size: int,
     mesh: Mesh | None = None,
-    data_axis: str = "data",
+    data_axis: DataAxis = "data",
     donate: bool = True,
+    state_shardings: tuple[Any, Any] | None = None,
+    clipping_method: str = "vmap",
 ) -> StepFn:
     """A jitted DP-SGD step for one schedule stage (see the module docstring).
 
+    `clipping_method`: "vmap" (per-example gradients, any loss), "ghost" or "auto" (see
+    `dpbert.privacy.ghost_clipping.clipped_sum_for`); it changes speed only, never the noise,
+    the sensitivity or the accounting.
+
     `loss_fn(params, example, rng) -> scalar` sees one example. The physical batch size is
     fixed by the arrays passed in and must be a multiple of microbatch_size (times the
-    number of devices on `data_axis`)."""
+    number of devices on `data_axis`). `state_shardings` = (params, opt_state) shardings
+    (pytrees or one sharding each) under `mesh`; default replicated."""
     check_dp_params(
         clip_norm=clip_norm, noise_multiplier=noise_multiplier, expected_batch_size=expected_batch_size
     )
     if isinstance(microbatch_size, bool) or not isinstance(microbatch_size, int) or microbatch_size < 1:
         raise ValueError(f"microbatch_size must be an integer >= 1, got {microbatch_size!r}")
 
+    sum_impl = clipped_grad_sum
+    if clipping_method != "vmap":
+        # Imported only when asked: the ghost path is model-aware, the DP core is not.
+        from dpbert.privacy.ghost_clipping import clipped_sum_for
+
+        sum_impl = clipped_sum_for(clipping_method, loss_fn)
+
     def sum_fn(params, batch, is_padding, key, position_offset=0):
-        return clipped_grad_sum(
+        return sum_impl(
             loss_fn,
             params,
             batch,
@@ -161,7 +185,7 @@ def make_dp_train_step(
         metrics = {"private/noisy_grad_norm": optax.tree.norm(grads), **_nonprivate_metrics(stats)}
         return params, opt_state, metrics
 
-    return _jit(step, mesh, data_axis, donate)
+    return _jit(step, mesh, data_axis, donate, state_shardings)
 
 
 def make_train_step(
@@ -170,8 +194,9 @@ def make_train_step(
     *,
     microbatch_size: int,
     mesh: Mesh | None = None,
-    data_axis: str = "data",
+    data_axis: DataAxis = "data",
     donate: bool = True,
+    state_shardings: tuple[Any, Any] | None = None,
 ) -> StepFn:
     """The non-private step with the DP step's signature: mean gradient over real examples."""
     if isinstance(microbatch_size, bool) or not isinstance(microbatch_size, int) or microbatch_size < 1:
@@ -202,7 +227,7 @@ def make_train_step(
         }
         return params, opt_state, metrics
 
-    return _jit(step, mesh, data_axis, donate)
+    return _jit(step, mesh, data_axis, donate, state_shardings)
 
 
 def data_mesh(devices: Any = None, data_axis: str = "data") -> Mesh:

@@ -5,7 +5,8 @@ B, T and S may be comma-separated lists (one value per stage); `--target-epsilon
 `--noise-multiplier` calibrates sigma (shared, or `--per-stage` for equal per-stage shares).
 From a recipe: `dpbert account RECIPE [--set k=v] [--dataset-size N]` builds the same plan
 the trainer builds (`dpbert.train.pretrain.make_plan`: calibration, physical batch sizes,
-budget check); N defaults to the size of the recipe's token store (`data.store`).
+budget check); N defaults to the size of the recipe's token store (`data.store`), else to the
+recipe's planned `target.dataset_size`.
 
 Guarantees: the printed epsilon is `PrivacyLedger.epsilon()` of the printed ledger, so the
 report and the ledger cannot disagree; `--json` prints one JSON object with at least
@@ -97,10 +98,13 @@ def ledger_from_recipe(args: argparse.Namespace) -> PrivacyLedger:
     if not recipe.privacy.enabled:
         raise ValueError(f"{args.recipe}: privacy.enabled is false; a non-private recipe has no epsilon")
     dataset_size = args.dataset_size
+    if dataset_size is None and recipe.data.store is None:
+        # A recipe written for data not at hand states its planned N (recipe field target.dataset_size).
+        dataset_size = recipe.target.dataset_size
     if dataset_size is None:
         if recipe.data.store is None:
             raise ValueError(
-                f"{args.recipe}: give --dataset-size (the recipe has no data.store to count examples in)"
+                f"{args.recipe}: give --dataset-size (the recipe has no data.store to count examples in, nor target.dataset_size)"
             )
         from dpbert.data.store import TokenStore
 

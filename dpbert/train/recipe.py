@@ -16,8 +16,9 @@ increasing batch-size schedule: stages of `steps` at `expected_batch_size`; it d
 Poisson sampling of private and non-private runs alike), `privacy` (DP-SGD on/off, clip
 norm, delta, accountant, `target_epsilon` and/or `noise_multiplier`), `optimizer` (AdamW
 with warmup and decay), `train` (seed, micro-batch size, checkpoint/eval/log cadence,
-dtype), `mesh` (device axes; placeholders for the multi-device runs) and `report`
-(fill-mask sentences printed at the end of a run).
+dtype), `mesh` (device axes `data` x `fsdp`, see `dpbert.train.mesh`), `target` (planned
+dataset size and hardware, for estimates before a run) and `report` (fill-mask sentences
+printed at the end of a run).
 """
 
 from __future__ import annotations
@@ -236,6 +237,32 @@ class MeshConfig:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class TargetConfig:
+    """What the recipe is written for, for estimates made before any data or pod exists
+    (`dpbert account`, `dpbert pretrain --compile-only`). A real run accounts with its token
+    store's size and uses the devices it finds; nothing here changes a run.
+
+    `dataset_size`: planned training sequences N. `hardware`: a label. `devices`: JAX devices
+    of the target (a TPU v3 chip is 2 devices). `peak_tflops_per_device`: bf16 peak per device.
+    `assumed_mfu`: assumed model-FLOPs utilisation of the time estimate (an ASSUMPTION).
+    """
+
+    dataset_size: int | None = None
+    hardware: str = "unspecified"
+    devices: int | None = None
+    peak_tflops_per_device: float | None = None
+    assumed_mfu: float = 0.3
+
+    def __post_init__(self) -> None:
+        for name in ("dataset_size", "devices"):
+            v = getattr(self, name)
+            _check(v is None or v > 0, name, "a positive integer or null", v)
+        p = self.peak_tflops_per_device
+        _check(p is None or p > 0, "peak_tflops_per_device", "a positive number or null", p)
+        _check(0.0 < self.assumed_mfu <= 1.0, "assumed_mfu", "a fraction in (0, 1]", self.assumed_mfu)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class ReportConfig:
     """What the run shows at its end: fill-mask predictions for these sentences
     (each with exactly one `[MASK]`), `top_k` tokens each."""
@@ -261,6 +288,7 @@ class Recipe:
     optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
     train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
     mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
+    target: TargetConfig = dataclasses.field(default_factory=TargetConfig)
     report: ReportConfig = dataclasses.field(default_factory=ReportConfig)
 
     def __post_init__(self) -> None:

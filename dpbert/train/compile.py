@@ -1,0 +1,318 @@
+"""Ahead-of-time compile of a recipe's pretraining step at full shape, and a throughput model.
+
+`compile_step(recipe, mesh)` builds the real train step (the trainer's masked-LM loss, the
+DP core's step, the recipe's optimizer, `dpbert.train.mesh` shardings) and lowers and
+compiles it from abstract arrays only: the model is initialised under `nnx.eval_shape`, the
+optimizer state under `jax.eval_shape`, and the batch is `jax.ShapeDtypeStruct`s with their
+shardings, so no weight is ever materialized and a pod-size step compiles on a laptop with
+fake devices (`XLA_FLAGS=--xla_force_host_platform_device_count=8`).
+
+What it measures (all from XLA, per device):
+- memory: `compiled.memory_analysis()` of the full-shape step (arguments, outputs,
+  temporaries) at the chosen stage's physical batch, micro-batches scanned on each device;
+- FLOPs: XLA's cost analysis (per device) counts a loop body once, whatever its trip count
+  (checked here on jax 0.10: a step with 1 and with 8 micro-batches per device report the
+  same FLOPs), so the step's count is one micro-batch plus what runs once per step; the
+  optimizer update is compiled alone to separate the two. FLOPs per example = (step -
+  update) / microbatch_size (the noise draw, once per step, is counted in it: it is
+  negligible next to a micro-batch of BERT); FLOPs per step = physical batch x FLOPs per
+  example + devices x update. Padding rows cost as much as real ones and are counted.
+  Collectives are not FLOPs. `analytic_flops_per_example` is an independent check.
+
+The throughput model is an ESTIMATE, never a measurement: time per step = FLOPs per step /
+(target devices x peak FLOP/s per device x assumed MFU), with the recipe's `target`
+section (or flags) stating the peak and the MFU. The whole-schedule time sums every stage
+at its own physical batch on the target's device count.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import time
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh
+
+from dpbert.privacy import (
+    default_optimizer,
+    make_dp_train_step,
+    make_train_step,
+    physical_batch_size,
+)
+from dpbert.train.mesh import batch_axes, batch_sharding, bytes_per_device, replicated, state_shardings
+from dpbert.train.recipe import Recipe
+
+# Shape-only stand-ins for token ids the masking code needs (values never matter to shapes).
+_PLACEHOLDER_IDS = {"mask_token_id": 103, "special_token_ids": (0, 101, 102, 103), "pad_id": 0}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class StageEstimate:
+    """One schedule stage on the target: `steps` steps at `physical_batch_size` rows."""
+
+    steps: int
+    expected_batch_size: int
+    physical_batch_size: int
+    flops_per_step: float
+    seconds_per_step: float | None
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CompileReport:
+    """Memory (bytes, per device) and FLOPs of one compiled step, and the ESTIMATED time on
+    the recipe's target hardware (None when the target's peak or devices are not stated)."""
+
+    private: bool
+    stage_index: int
+    expected_batch_size: int
+    physical_batch_size: int
+    microbatch_size: int
+    mesh_shape: dict[str, int]
+    num_params: int
+    state_bytes_per_device: int
+    argument_bytes: int
+    output_bytes: int
+    alias_bytes: int
+    temp_bytes: int
+    flops_per_example: float
+    update_flops_per_device: float
+    flops_per_step: float
+    compile_seconds: float
+    target_hardware: str
+    target_devices: int | None
+    peak_tflops_per_device: float | None
+    assumed_mfu: float
+    stages: tuple[StageEstimate, ...]
+
+    @property
+    def microbatches_per_device(self) -> int:
+        devices = math.prod(self.mesh_shape.values())
+        return self.physical_batch_size // (devices * self.microbatch_size)
+
+    @property
+    def estimated_total_seconds(self) -> float | None:
+        times = [s.seconds_per_step for s in self.stages]
+        if any(t is None for t in times):
+            return None
+        return sum(s.steps * s.seconds_per_step for s in self.stages)  # type: ignore[operator]
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["microbatches_per_device"] = self.microbatches_per_device
+        d["estimated_total_seconds"] = self.estimated_total_seconds
+        return d
+
+    def summary(self) -> str:
+        gib = 2.0**30
+        mesh = " x ".join(f"{k}={v}" for k, v in self.mesh_shape.items())
+        lines = [
+            f"compiled the {'DP-SGD' if self.private else 'non-private'} step of schedule stage "
+            f"{self.stage_index} (expected batch {self.expected_batch_size:,}, physical {self.physical_batch_size:,}) "
+            f"on mesh {mesh}: {self.microbatches_per_device:,} micro-batches of {self.microbatch_size} per device "
+            f"[{self.compile_seconds:.0f} s]",
+            f"parameters: {self.num_params:,}; params + optimizer state per device: "
+            f"{self.state_bytes_per_device / gib:.3f} GiB",
+            "per-device memory (XLA memory_analysis): "
+            f"arguments {self.argument_bytes / gib:.3f} GiB, outputs {self.output_bytes / gib:.3f} GiB "
+            f"(aliased {self.alias_bytes / gib:.3f} GiB), temporaries {self.temp_bytes / gib:.3f} GiB",
+            f"FLOPs (XLA cost_analysis): {self.flops_per_example:.4g} per example, "
+            f"{self.flops_per_step:.4g} per step (all devices)",
+        ]
+        if self.peak_tflops_per_device is None or self.target_devices is None:
+            lines.append("ESTIMATE: none (set target.devices and target.peak_tflops_per_device, or pass "
+                         "--peak-tflops and --target-devices)")
+            return "\n".join(lines)
+        lines.append(
+            f"ESTIMATE (not a measurement) on {self.target_hardware}: {self.target_devices} devices x "
+            f"{self.peak_tflops_per_device:g} TFLOP/s peak x assumed MFU {self.assumed_mfu:g}"
+        )
+        for i, s in enumerate(self.stages):
+            lines.append(
+                f"  stage {i}: {s.steps:,} steps x {s.expected_batch_size:,} expected "
+                f"(physical {s.physical_batch_size:,}): {s.seconds_per_step:.2f} s/step, "
+                f"{s.steps * s.seconds_per_step / 3600:.2f} h"
+            )
+        total = self.estimated_total_seconds or 0.0
+        lines.append(f"  whole schedule: {total / 3600:.1f} h ({total / 86400:.2f} days)")
+        return "\n".join(lines)
+
+
+def _bert_config(recipe: Recipe) -> Any:
+    from transformers import BertConfig
+
+    m = recipe.model
+    if m.init_from is not None:
+        return BertConfig.from_pretrained(m.init_from)
+    if m.vocab_size is None:
+        raise ValueError("recipe field 'model.vocab_size': --compile-only needs it set (null means the "
+                         "tokenizer's size, which is only known once the data is prepared)")
+    return BertConfig(
+        vocab_size=m.vocab_size, hidden_size=m.hidden_size, num_hidden_layers=m.num_hidden_layers,
+        num_attention_heads=m.num_attention_heads, intermediate_size=m.intermediate_size,
+        max_position_embeddings=m.max_position_embeddings or recipe.data.seq_len,
+        hidden_dropout_prob=m.hidden_dropout_prob, attention_probs_dropout_prob=m.attention_probs_dropout_prob,
+    )
+
+
+def _sds(tree: Any, shardings: Any) -> Any:
+    return jax.tree_util.tree_map(
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings
+    )
+
+
+def _flops(compiled: Any) -> float:
+    cost = compiled.cost_analysis()
+    if isinstance(cost, list | tuple):  # older jax returned one dict per module
+        cost = cost[0]
+    return float(cost.get("flops", 0.0))
+
+
+def _physical(expected: int, dataset_size: int | None, multiple: int) -> int:
+    """The trainer's physical batch (Poisson overflow margin, rounded to `multiple`); without a
+    dataset size, the expected batch rounded up (no margin)."""
+    if dataset_size is None:
+        return -(-expected // multiple) * multiple
+    return physical_batch_size(expected, dataset_size, multiple=multiple)
+
+
+def compile_step(
+    recipe: Recipe,
+    mesh: Mesh,
+    *,
+    stage_index: int = -1,
+    peak_tflops_per_device: float | None = None,
+    target_devices: int | None = None,
+    assumed_mfu: float | None = None,
+    log: Callable[[str], None] = lambda _: None,
+) -> CompileReport:
+    """Lower and compile the recipe's step at stage `stage_index` (default: the last, largest)
+    on `mesh`; see the module docstring for what is measured and estimated."""
+    from flax import nnx
+
+    from dpbert.model import functional
+    from dpbert.model.bert import BertForMaskedLM
+    from dpbert.train.pretrain import _learning_rate, make_loss_fn, make_masker, max_predictions
+
+    n_stages = len(recipe.schedule)
+    if not -n_stages <= stage_index < n_stages:
+        raise ValueError(f"--stage {stage_index}: the schedule has {n_stages} stages")
+    stage_index %= n_stages
+    stage = recipe.schedule[stage_index]
+    devices = mesh.devices.size
+    mb = recipe.train.microbatch_size
+    dataset_size = recipe.target.dataset_size
+    physical = _physical(stage.expected_batch_size, dataset_size, devices * mb)
+
+    config = _bert_config(recipe)
+    dtype = jnp.bfloat16 if recipe.train.dtype == "bfloat16" else jnp.float32
+    abstract_model = nnx.eval_shape(lambda: BertForMaskedLM(config, rngs=nnx.Rngs(0), dtype=dtype))
+    graphdef, abstract_params = functional.split_params(abstract_model)
+    o = recipe.optimizer
+    optimizer = default_optimizer(_learning_rate(recipe), weight_decay=o.weight_decay, b1=o.b1, b2=o.b2, eps=o.eps)
+    abstract_opt = jax.eval_shape(optimizer.init, abstract_params)
+    params_sh = state_shardings(abstract_params, mesh)
+    opt_sh = state_shardings(abstract_opt, mesh)
+    num_params = sum(math.prod(x.shape) for x in jax.tree_util.tree_leaves(abstract_params))
+
+    masker = make_masker(vocab_size=config.vocab_size, mask_prob=recipe.data.mask_prob,
+                         num_predictions=max_predictions(recipe.data.seq_len, recipe.data.mask_prob),
+                         **_PLACEHOLDER_IDS)
+    # Masking runs inside the per-example loss (keyed by run key, step and store index), as in the trainer.
+    loss_fn = make_loss_fn(graphdef, masker, jax.random.key(recipe.train.seed))
+    key_sds = jax.eval_shape(lambda: jax.random.key(0))
+
+    def batch_args(rows: int) -> tuple[Any, Any]:
+        sharded = batch_sharding(mesh)
+        batch = {
+            "input_ids": jax.ShapeDtypeStruct((rows, recipe.data.seq_len), jnp.int32, sharding=sharded),
+            "index": jax.ShapeDtypeStruct((rows,), jnp.int32, sharding=sharded),
+            "step": jax.ShapeDtypeStruct((rows,), jnp.int32, sharding=sharded),
+        }
+        return batch, jax.ShapeDtypeStruct((rows,), jnp.bool_, sharding=sharded)
+
+    common = dict(microbatch_size=mb, mesh=mesh, data_axis=batch_axes(mesh), state_shardings=(params_sh, opt_sh))
+    if recipe.privacy.enabled:
+        # The noise multiplier's value does not change shapes or FLOPs.
+        step = make_dp_train_step(loss_fn, optimizer, clip_norm=recipe.privacy.clip_norm, noise_multiplier=1.0,
+                                  expected_batch_size=stage.expected_batch_size, **common)
+    else:
+        step = make_train_step(loss_fn, optimizer, **common)
+    args_state = (_sds(abstract_params, params_sh), _sds(abstract_opt, opt_sh))
+    key_arg = jax.ShapeDtypeStruct(key_sds.shape, key_sds.dtype, sharding=replicated(mesh))
+
+    started = time.perf_counter()
+    log(f"compiling the full step: physical batch {physical:,} on {devices} devices ...")
+    full = step.lower(*args_state, *batch_args(physical), key_arg).compile()
+    memory = full.memory_analysis()
+
+    def update(params: Any, opt_state: Any, grads: Any) -> tuple[Any, Any]:
+        import optax
+
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    update_c = jax.jit(update, in_shardings=(params_sh, opt_sh, params_sh), out_shardings=(params_sh, opt_sh)).lower(
+        args_state[0], args_state[1], args_state[0]
+    ).compile()
+    compile_seconds = time.perf_counter() - started
+    update_flops = _flops(update_c)
+    per_example = max(_flops(full) - update_flops, 0.0) / mb
+
+    tgt = recipe.target
+    peak = peak_tflops_per_device if peak_tflops_per_device is not None else tgt.peak_tflops_per_device
+    tdev = target_devices if target_devices is not None else tgt.devices
+    mfu = assumed_mfu if assumed_mfu is not None else tgt.assumed_mfu
+    if not 0.0 < mfu <= 1.0:
+        raise ValueError(f"--assumed-mfu: expected a fraction in (0, 1], got {mfu!r}")
+    estimates = []
+    for s in recipe.schedule:
+        rows = _physical(s.expected_batch_size, dataset_size, (tdev or devices) * mb)
+        flops = rows * per_example + (tdev or devices) * update_flops
+        seconds = None if peak is None or tdev is None else flops / (tdev * peak * 1e12 * mfu)
+        estimates.append(StageEstimate(steps=s.steps, expected_batch_size=s.expected_batch_size,
+                                       physical_batch_size=rows, flops_per_step=flops, seconds_per_step=seconds))
+    return CompileReport(
+        private=recipe.privacy.enabled,
+        stage_index=stage_index,
+        expected_batch_size=stage.expected_batch_size,
+        physical_batch_size=physical,
+        microbatch_size=mb,
+        mesh_shape=dict(mesh.shape),
+        num_params=num_params,
+        state_bytes_per_device=bytes_per_device(abstract_params, params_sh) + bytes_per_device(abstract_opt, opt_sh),
+        argument_bytes=int(memory.argument_size_in_bytes),
+        output_bytes=int(memory.output_size_in_bytes),
+        alias_bytes=int(memory.alias_size_in_bytes),
+        temp_bytes=int(memory.temp_size_in_bytes),
+        flops_per_example=per_example,
+        update_flops_per_device=update_flops,
+        flops_per_step=physical * per_example + devices * update_flops,
+        compile_seconds=compile_seconds,
+        target_hardware=tgt.hardware,
+        target_devices=tdev,
+        peak_tflops_per_device=peak,
+        assumed_mfu=mfu,
+        stages=tuple(estimates),
+    )
+
+
+def compile_main(args: Any) -> int:
+    """`dpbert pretrain RECIPE --compile-only` entry point: print (or --json) the report."""
+    from dpbert.train.mesh import make_mesh, parse_mesh_flags
+    from dpbert.train.recipe import load_recipe
+
+    recipe = load_recipe(args.recipe, args.set or ())
+    axes = {"data": recipe.mesh.data, "fsdp": recipe.mesh.fsdp, **parse_mesh_flags(args.mesh or ())}
+    mesh = make_mesh(**axes)
+    report = compile_step(
+        recipe, mesh, stage_index=args.stage, peak_tflops_per_device=args.peak_tflops,
+        target_devices=args.target_devices, assumed_mfu=args.assumed_mfu, log=print,
+    )
+    print(json.dumps(report.to_dict()) if args.json else report.summary())
+    return 0
+
