@@ -82,7 +82,9 @@ def torch_out(model: torch.nn.Module, inputs: dict[str, np.ndarray], **kw):
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "output_hidden_states"))
 def _forward(graphdef, params, ids, mask, types, dropout_rng, output_hidden_states):
-    return nnx.merge(graphdef, params)(ids, mask, types, dropout_rng=dropout_rng, output_hidden_states=output_hidden_states)
+    return nnx.merge(graphdef, params)(
+        ids, mask, types, dropout_rng=dropout_rng, output_hidden_states=output_hidden_states
+    )
 
 
 def call(model, inputs, *, dropout_rng=None, output_hidden_states=False):
@@ -124,8 +126,30 @@ def test_torch_checkpoint_loads_with_matching_logits(tmp_path, overrides):
     # transformers masks keys only, so padded query positions match as well.
     np.testing.assert_allclose(out.logits, expected.logits.numpy(), atol=ATOL, rtol=0)
     assert len(out.hidden_states) == len(expected.hidden_states) == 3
-    for ours, theirs in zip(out.hidden_states, expected.hidden_states):
+    for ours, theirs in zip(out.hidden_states, expected.hidden_states, strict=True):
         np.testing.assert_allclose(ours, theirs.numpy(), atol=ATOL, rtol=0)
+
+
+def test_pytorch_bin_with_legacy_names_loads_like_safetensors(tmp_path, hf_mlm_dir):
+    # A torch state dict as older checkpoints have it: pytorch_model.bin, LayerNorm gamma/beta,
+    # the tied decoder weight and bias stored twice, and the position_ids buffer.
+    reference = transformers.BertForMaskedLM.from_pretrained(hf_mlm_dir)
+    state = {
+        k.replace("LayerNorm.weight", "LayerNorm.gamma").replace("LayerNorm.bias", "LayerNorm.beta"): v
+        for k, v in reference.state_dict().items()
+    }
+    state["bert.embeddings.position_ids"] = torch.arange(24)[None]
+    assert "cls.predictions.decoder.weight" in state
+    shutil.copy(hf_mlm_dir / "config.json", tmp_path / "config.json")
+    torch.save(state, tmp_path / "pytorch_model.bin")
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing unexpected, nothing initialised
+        from_bin = BertForMaskedLM.from_pretrained(tmp_path)
+    from_safetensors = BertForMaskedLM.from_pretrained(hf_mlm_dir)
+    jax.tree_util.tree_map(
+        np.testing.assert_array_equal, nnx.state(from_bin, nnx.Param), nnx.state(from_safetensors, nnx.Param)
+    )
 
 
 def test_save_pretrained_loads_in_transformers_and_fill_mask(tmp_path):

@@ -101,7 +101,7 @@ def train_wordpiece(
         tokenizer_object=backend,
         do_lower_case=lowercase,
         model_max_length=model_max_length,
-        **dict(zip(("pad_token", "unk_token", "cls_token", "sep_token", "mask_token"), SPECIAL_TOKENS)),
+        **dict(zip(("pad_token", "unk_token", "cls_token", "sep_token", "mask_token"), SPECIAL_TOKENS, strict=True)),
     )
     _save_atomically(tokenizer, Path(out_dir))
     return load_tokenizer(out_dir)

@@ -151,12 +151,18 @@ def _linear(config: BertConfig, n_in: int, n_out: int, rngs: nnx.Rngs, dtype: An
 
 
 def _layer_norm(config: BertConfig, rngs: nnx.Rngs, dtype: Any) -> nnx.LayerNorm:
-    return nnx.LayerNorm(config.hidden_size, epsilon=config.layer_norm_eps, dtype=dtype, param_dtype=jnp.float32, rngs=rngs)
+    return nnx.LayerNorm(
+        config.hidden_size, epsilon=config.layer_norm_eps, dtype=dtype, param_dtype=jnp.float32, rngs=rngs
+    )
 
 
 def _embed(config: BertConfig, n: int, rngs: nnx.Rngs) -> nnx.Embed:
     return nnx.Embed(
-        n, config.hidden_size, param_dtype=jnp.float32, embedding_init=nnx.initializers.normal(config.initializer_range), rngs=rngs
+        n,
+        config.hidden_size,
+        param_dtype=jnp.float32,
+        embedding_init=nnx.initializers.normal(config.initializer_range),
+        rngs=rngs,
     )
 
 
@@ -423,7 +429,11 @@ class BertForMaskedLM(_PretrainedMixin, nnx.Module):
         those positions are decoded, giving [B, P, V] (the vocabulary projection dominates
         the cost of pretraining, and only masked positions carry loss)."""
         out = self.bert(
-            input_ids, attention_mask, token_type_ids, dropout_rng=dropout_rng, output_hidden_states=output_hidden_states
+            input_ids,
+            attention_mask,
+            token_type_ids,
+            dropout_rng=dropout_rng,
+            output_hidden_states=output_hidden_states,
         )
         x = out.last_hidden_state
         if masked_positions is not None:
@@ -461,7 +471,11 @@ class BertForSequenceClassification(_PretrainedMixin, nnx.Module):
         output_hidden_states: bool = False,
     ) -> SequenceClassifierOutput:
         out = self.bert(
-            input_ids, attention_mask, token_type_ids, dropout_rng=dropout_rng, output_hidden_states=output_hidden_states
+            input_ids,
+            attention_mask,
+            token_type_ids,
+            dropout_rng=dropout_rng,
+            output_hidden_states=output_hidden_states,
         )
         pooled = dropout(out.pooler_output, self.dropout_rate, _fold(dropout_rng, _SITE_CLASSIFIER))
         return SequenceClassifierOutput(logits=self.classifier(pooled), hidden_states=out.hidden_states)

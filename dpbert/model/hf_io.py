@@ -77,7 +77,9 @@ def load_config(folder: str | os.PathLike[str]) -> BertConfig:
         raise ValueError(f"{config_path}: not valid JSON ({err})") from err
     if not isinstance(data, dict) or data.get("model_type") != "bert":
         found = data.get("model_type") if isinstance(data, dict) else type(data).__name__
-        raise ValueError(f"{config_path}: model_type is {found!r}, expected 'bert' (dpbert loads BERT checkpoints only)")
+        raise ValueError(
+            f"{config_path}: model_type is {found!r}, expected 'bert' (dpbert loads BERT checkpoints only)"
+        )
     return BertConfig.from_dict(data)
 
 
@@ -126,9 +128,8 @@ def read_state_dict(folder: str | os.PathLike[str]) -> tuple[dict[str, np.ndarra
     elif torch_bin.is_file():
         state, source = _read_torch_bin(torch_bin), torch_bin
     else:
-        raise FileNotFoundError(
-            f"{folder}: no weights file (looked for {SAFE_WEIGHTS_NAME}, {SAFE_WEIGHTS_INDEX_NAME}, {TORCH_WEIGHTS_NAME})"
-        )
+        looked_for = ", ".join((SAFE_WEIGHTS_NAME, SAFE_WEIGHTS_INDEX_NAME, TORCH_WEIGHTS_NAME))
+        raise FileNotFoundError(f"{folder}: no weights file (looked for {looked_for})")
     return {_normalise_key(k): v for k, v in state.items()}, source
 
 
@@ -206,7 +207,9 @@ def load_hf_state(model: nnx.Module, state: Mapping[str, np.ndarray], source: st
 
     unexpected = sorted(k for k in state if k not in params and k not in ignored and not _BUFFERS.search(k))
     if unexpected:
-        warnings.warn(f"{source}: ignored weights not used by {type(model).__name__}: {', '.join(unexpected)}", stacklevel=4)
+        warnings.warn(
+            f"{source}: ignored weights not used by {type(model).__name__}: {', '.join(unexpected)}", stacklevel=4
+        )
     if missing:
         warnings.warn(
             f"{source}: {type(model).__name__} weights not in the checkpoint were newly initialised: "
@@ -232,7 +235,9 @@ def from_pretrained(cls: type, path_or_id: str | os.PathLike[str], *, dtype: Any
     # Random initialisation is skipped when the checkpoint covers every parameter: the shapes
     # come from an abstract model, and a BERT-Large load costs no 340M-parameter init.
     model = nnx.eval_shape(build)
-    if any(name not in _align_prefix(state, getattr(model, "base_model_prefix", None)) for name in _model_params(model)):
+    if any(
+        name not in _align_prefix(state, getattr(model, "base_model_prefix", None)) for name in _model_params(model)
+    ):
         model = build()
     load_hf_state(model, state, source)
     return model
