@@ -167,3 +167,45 @@ def test_two_processes_through_jax_distributed_match_one(tmp_path):
     for k in one["params"]:
         np.testing.assert_allclose(multi["params"][k], one["params"][k], rtol=1e-5, atol=1e-6)
         np.testing.assert_allclose(shares[1]["params"][k], one["params"][k], rtol=1e-5, atol=1e-6)
+
+
+def test_compile_only_bert_large_dp_on_8_fake_devices():
+    """`dpbert pretrain recipes/bert_large_dp.yaml --compile-only` on a data=8 CPU mesh: the real DP
+    step (masked-LM loss, AdamW, per-example clipping) at the recipe's full shapes (hidden 1024,
+    16 heads, intermediate 4096, vocab 30522, seq 128, the last stage's physical batch of ~2.1M
+    rows, micro-batches of 4 per device) from abstract arrays, with ONE encoder layer instead of
+    24 so that XLA's CPU compile stays short (the 24-layer numbers are in the issue report)."""
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "dpbert.cli", "pretrain", "recipes/bert_large_dp.yaml", "--compile-only",
+         "--mesh", "data=8", "--set", "model.num_hidden_layers=1", "--json"],
+        env=env, cwd=ROOT, capture_output=True, text=True, timeout=1200,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r = json.loads(proc.stdout.strip().splitlines()[-1])
+    import torch  # noqa: F401  (transformers' PyTorch BERT counts the parameters independently)
+    from transformers import BertConfig, BertForMaskedLM
+
+    config = BertConfig(vocab_size=30522, hidden_size=1024, num_hidden_layers=1, num_attention_heads=16,
+                        intermediate_size=4096, max_position_embeddings=512)
+    assert r["num_params"] == sum(p.numel() for p in BertForMaskedLM(config).parameters())
+    assert r["mesh_shape"] == {"data": 8, "fsdp": 1} and r["private"] is True
+    assert r["physical_batch_size"] >= 2_097_152 and r["physical_batch_size"] % (8 * 4) == 0
+    assert r["microbatches_per_device"] == r["physical_batch_size"] // 32
+    # Replicated float32 params + Adam's two moments (+ its step counter) on every device, donated.
+    assert r["state_bytes_per_device"] == pytest.approx(12 * r["num_params"], abs=64)
+    assert r["alias_bytes"] == pytest.approx(r["state_bytes_per_device"], rel=1e-3)
+    # Arguments = state + this device's batch shard (input_ids, index, step int32; is_padding bool).
+    rows = r["physical_batch_size"] // 8
+    assert r["argument_bytes"] == pytest.approx(r["state_bytes_per_device"] + rows * (128 * 4 + 4 + 4 + 1), rel=1e-3)
+    assert r["temp_bytes"] > 0
+    # FLOPs per example against an analytic count: forward = encoder matmuls + attention + MLM head on
+    # the decoded positions; training ~ 3x forward (+ per-example clipping). A trip-count error
+    # (the scan counted 65k times) or a missing backward pass breaks the band.
+    h, i, seq, v, k = 1024, 4096, 128, 30522, 36
+    forward = 2 * seq * (4 * h * h + 2 * h * i) + 4 * seq * seq * h + 2 * k * (h * h + h * v)
+    assert 2.0 < r["flops_per_example"] / forward < 5.0, r["flops_per_example"] / forward
+    # The ESTIMATE is FLOPs / (1024 devices x 61.5 TFLOP/s x 0.3), stage by stage.
+    for s in r["stages"]:
+        assert s["seconds_per_step"] == pytest.approx(s["flops_per_step"] / (1024 * 61.5e12 * 0.3), rel=1e-9)
+    assert [s["expected_batch_size"] for s in r["stages"]] == [262144, 524288, 1048576, 2097152]
