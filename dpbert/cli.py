@@ -12,6 +12,57 @@ from collections.abc import Callable, Sequence
 
 import dpbert
 
+def _add_pretrain(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "pretrain",
+        help="pretrain BERT with DP-SGD (or a non-private baseline) from a recipe",
+        description="Prepare the recipe's corpus, train, checkpoint, evaluate held-out MLM accuracy, and write "
+        "RUN_DIR/hf and RUN_DIR/release (with privacy.json). Prints epsilon and held-out accuracy at the end.",
+    )
+    p.add_argument("recipe", metavar="RECIPE", help="recipe YAML file (see recipes/)")
+    p.add_argument("--output-dir", metavar="RUN_DIR", help="run folder (required unless --compile-only)")
+    p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a recipe field (repeatable)")
+    p.add_argument("--resume", action="store_true", help="continue from the run folder's latest checkpoint")
+    p.add_argument("--fill-mask", action="store_true", help="print fill-mask predictions for the recipe's sentences")
+    p.add_argument("--compile-only", action="store_true", help="train nothing: compile the step at the recipe's full "
+                   "shapes from abstract arrays and print per-device memory, FLOPs and the ESTIMATED time on the "
+                   "recipe's target hardware")
+    p.add_argument("--mesh", action="append", metavar="AXIS=N", help="with --compile-only: data=N or fsdp=N "
+                   "(repeatable; default: the recipe's mesh over the devices here)")
+    p.add_argument("--stage", type=int, default=-1, help="with --compile-only: schedule stage (default: -1, the last)")
+    p.add_argument("--peak-tflops", type=float, help="with --compile-only: peak TFLOP/s per target device "
+                   "(default: target.peak_tflops_per_device)")
+    p.add_argument("--target-devices", type=int, help="with --compile-only: devices of the target (default: target.devices)")
+    p.add_argument("--assumed-mfu", type=float, help="with --compile-only: assumed utilisation (default: target.assumed_mfu)")
+    p.add_argument("--json", action="store_true", help="with --compile-only: print the report as one JSON object")
+
+    def run(args: argparse.Namespace) -> int:
+        if args.compile_only:
+            from dpbert.train.compile import compile_main
+
+            return compile_main(args)
+        if args.output_dir is None:
+            raise ValueError("--output-dir is required (except with --compile-only)")
+        from dpbert.train.pretrain import pretrain_main
+
+        return pretrain_main(args)
+
+    p.set_defaults(func=run)
+
+
+def _add_plot(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("plot", help="write PNG curves (held-out MLM accuracy, epsilon) of a pretraining run")
+    p.add_argument("run_dir", metavar="RUN_DIR", help="pretraining run folder")
+    p.add_argument("--out", default=None, help="PNG path (default: RUN_DIR/curves.png)")
+
+    def run(args: argparse.Namespace) -> int:
+        from dpbert.train.pretrain import plot_main
+
+        return plot_main(args)
+
+    p.set_defaults(func=run)
+
+
 def _add_finetune(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "finetune",
@@ -240,7 +291,7 @@ def _add_audit(sub: argparse._SubParsersAction) -> None:
 
 def _commands() -> list[Callable[..., None]]:
     """Subcommands in the order `dpbert --help` lists them (only ones that work)."""
-    return [_add_prepare, _add_account, _add_export, _add_push, _add_pull, _add_verify, _add_audit, _add_finetune, _add_demo]
+    return [_add_pretrain, _add_plot, _add_prepare, _add_account, _add_export, _add_push, _add_pull, _add_verify, _add_audit, _add_finetune, _add_demo]
 
 
 def build_parser() -> argparse.ArgumentParser:

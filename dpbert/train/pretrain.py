@@ -1,0 +1,651 @@
+"""`dpbert pretrain`: masked-LM pretraining of BERT with DP-SGD (or without, for baselines).
+
+One readable loop in sections: run folder, data, model, privacy plan, update step,
+checkpoints, loop, end of run. `pretrain(...)` is the library entry point; the CLI only
+parses flags and calls it.
+
+Run folder (RUN_DIR): `recipe.yaml` (resolved recipe), `store/` (token store, unless the
+recipe names one), `checkpoints/` (Orbax), `metrics.jsonl`, `privacy.json` (the ledger of
+the steps taken so far; private runs only), `hf/` (final Hugging Face folder with the
+tokenizer), `release/` (the export with privacy metadata and model card), `curves.png`.
+
+Guarantees:
+- all randomness of step t (Poisson sample, masking, dropout, noise) derives from
+  `fold_in(run_key, t)` (masking from `dpbert.data.masking.example_mask_key(run_key, t,
+  store index)`); a resumed run therefore replays exactly the steps an uninterrupted run
+  takes, and the ledger counts each completed step once;
+- a run, or a resume, whose full schedule would spend more than `privacy.target_epsilon`
+  is refused before any step (`PrivacyLedger.check_budget`); on resume the recipe must
+  agree with the checkpoint's ledger on every step already taken;
+- SIGTERM finishes the current step, writes a checkpoint and returns cleanly (exit 0);
+- a non-finite training loss stops the run with an error naming the step;
+- the non-private mode runs the same loop (same sampling, masking and dropout) with the DP
+  core's non-private step: no clipping, no noise, and the gradient is the mean over the
+  realized batch (ordinary training; there is no privacy to protect). Its ledger in the
+  checkpoint says non-private and no privacy.json is written.
+
+Masked positions: the MLM head decodes only `max_predictions` positions per example (the
+vocabulary projection dominates the cost). It is mean + 4 standard deviations of the
+number of selected tokens, so an example with more selected tokens (probability < 1e-4)
+has its surplus corrupted in the input but not scored, as in BERT's
+`max_predictions_per_seq`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+import os
+import signal
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from dpbert.data.masking import example_mask_key, mask_tokens
+from dpbert.data.store import TokenStore, prepare_store
+from dpbert.data.tokenizer import load_tokenizer
+from dpbert.model import functional
+from dpbert.model.bert import BertForMaskedLM
+from dpbert.privacy import (
+    BatchSchedule,
+    PrivacyLedger,
+    Stage,
+    calibrate_noise_multiplier,
+    default_optimizer,
+    make_dp_train_step,
+    make_train_step,
+    physical_batch_size,
+    poisson_sample,
+    step_key,
+)
+from dpbert.privacy.accounting import MAX_TRUNCATION_DELTA_FRACTION
+from dpbert.train.checkpoint import CheckpointStore
+from dpbert.train.metrics import MetricsLog, read_metrics, truncate_after
+from dpbert.train.recipe import Recipe, load_recipe, recipe_to_dict, save_recipe
+from dpbert.train.state import TrainState, ledger_text
+
+NONPRIVATE_LEDGER = {"private": False, "note": "non-private baseline: no clipping, no noise, no guarantee"}
+# Held-out masking uses its own fixed key, the same for every run and seed, so private and
+# non-private runs are scored on identical masks.
+EVAL_MASK_KEY_SEED = 0x65766C  # "evl"
+
+
+class NonFiniteLossError(RuntimeError):
+    """Training produced a NaN or infinite loss."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RunResult:
+    """What a finished (or stopped) run reports. `epsilon` is None for non-private runs."""
+
+    run_dir: Path
+    steps_done: int
+    total_steps: int
+    stopped_early: bool
+    epsilon: float | None
+    delta: float | None
+    eval_mlm_accuracy: float | None
+    eval_mlm_loss: float | None
+    wall_time_s: float
+    fill_mask: tuple[tuple[str, tuple[tuple[str, float], ...]], ...] = ()
+
+
+# ---------------------------------------------------------------------------- masking / loss
+
+
+def max_predictions(seq_len: int, mask_prob: float) -> int:
+    """Decoded positions per example: mean + 4 sd of Binomial(seq_len - 2, mask_prob), capped."""
+    n = seq_len - 2  # [CLS] and [SEP] are never selected
+    return min(seq_len, math.ceil(n * mask_prob + 4 * math.sqrt(n * mask_prob * (1 - mask_prob))) + 1)
+
+
+def make_masker(
+    *, vocab_size: int, mask_token_id: int, special_token_ids: tuple[int, ...], pad_id: int,
+    mask_prob: float, num_predictions: int,
+) -> Callable[[jax.Array, jax.Array, jax.Array, jax.Array], dict[str, jax.Array]]:
+    """`(run_key, step, store_index, input_ids [L]) -> model inputs and MLM targets` for ONE
+    example, masked with `example_mask_key(run_key, step, store_index)`. Pure; vmap it."""
+
+    def masker(run_key: jax.Array, step: jax.Array, index: jax.Array, ids: jax.Array) -> dict[str, jax.Array]:
+        masked, labels, weights = mask_tokens(
+            example_mask_key(run_key, step, index), ids, vocab_size=vocab_size, mask_token_id=mask_token_id,
+            special_token_ids=special_token_ids, mask_prob=mask_prob,
+        )
+        (positions,) = jnp.nonzero(weights, size=num_predictions, fill_value=0)
+        # Position 0 is [CLS], never selected: filler slots read weight 0 there.
+        return {
+            "input_ids": masked,
+            "attention_mask": (ids != pad_id).astype(jnp.int32),
+            "masked_positions": positions.astype(jnp.int32),
+            "labels": labels[positions],
+            "label_weights": weights[positions],
+        }
+
+    return masker
+
+
+def make_loss_fn(
+    graphdef: nnx.GraphDef, masker: Callable[..., dict[str, jax.Array]], run_key: jax.Array
+) -> Callable[[Any, dict[str, jax.Array], jax.Array], jax.Array]:
+    """Per-example loss for the DP core: `example` = {"input_ids" [L], "index", "step"} (store
+    index and global step, which key the masking); `rng` (from the DP core) keys dropout.
+    Returns the mean cross-entropy over the example's masked tokens (0 if none)."""
+
+    def loss_fn(params: Any, example: dict[str, jax.Array], rng: jax.Array) -> jax.Array:
+        x = masker(run_key, example["step"], example["index"], example["input_ids"])
+        logits = functional.mlm_logits(
+            graphdef, params, x["input_ids"], x["attention_mask"], None, rng, masked_positions=x["masked_positions"],
+        )
+        ce = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), x["labels"])
+        w = x["label_weights"]
+        return jnp.sum(ce * w) / jnp.maximum(jnp.sum(w), 1.0)
+
+    return loss_fn
+
+
+def make_eval_fn(
+    graphdef: nnx.GraphDef, masker: Callable[..., dict[str, jax.Array]]
+) -> Callable[..., dict[str, jax.Array]]:
+    """Jitted held-out scoring of a batch (rows with `valid` False count for nothing):
+    sums of correct predictions, cross-entropy and masked tokens. Masks with the fixed
+    eval key, so every run and every call scores the same masks."""
+    eval_key = jax.random.key(EVAL_MASK_KEY_SEED)
+
+    @jax.jit
+    def eval_fn(params: Any, indices: jax.Array, input_ids: jax.Array, valid: jax.Array) -> dict[str, jax.Array]:
+        x = jax.vmap(masker, in_axes=(None, None, 0, 0))(eval_key, 0, indices, input_ids)
+        logits = functional.mlm_logits(
+            graphdef, params, x["input_ids"], x["attention_mask"], None, None, masked_positions=x["masked_positions"],
+        ).astype(jnp.float32)
+        w = x["label_weights"] * valid[:, None]
+        ce = optax.softmax_cross_entropy_with_integer_labels(logits, x["labels"])
+        correct = (jnp.argmax(logits, -1) == x["labels"]).astype(jnp.float32)
+        return {"correct": jnp.sum(correct * w), "loss": jnp.sum(ce * w), "count": jnp.sum(w)}
+
+    return eval_fn
+
+
+# ---------------------------------------------------------------------------- privacy plan
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Plan:
+    """The run's schedule with noise multipliers (0 when non-private) and physical batch sizes."""
+
+    schedule: BatchSchedule
+    physical_batch_sizes: tuple[int, ...]
+    ledger: PrivacyLedger | None  # the full planned ledger; None when non-private
+    _epsilons: dict[int, float] = dataclasses.field(default_factory=dict, repr=False, compare=False)
+
+    def ledger_after(self, steps: int) -> dict[str, Any]:
+        return NONPRIVATE_LEDGER if self.ledger is None else self.ledger.spent(steps).to_dict()
+
+    def epsilon_after(self, steps: int) -> float | None:
+        """Epsilon spent by the first `steps` steps (None when non-private); memoized."""
+        if self.ledger is None:
+            return None
+        if steps not in self._epsilons:
+            self._epsilons[steps] = self.ledger.spent(steps).epsilon()
+        return self._epsilons[steps]
+
+
+def make_plan(recipe: Recipe, dataset_size: int) -> Plan:
+    """Noise multipliers (fixed or calibrated), physical batches, and the budget check."""
+    p = recipe.privacy
+    for i, s in enumerate(recipe.schedule):
+        if s.expected_batch_size > dataset_size:
+            raise ValueError(
+                f"recipe field 'schedule[{i}].expected_batch_size': {s.expected_batch_size} exceeds the "
+                f"{dataset_size} training examples of the token store"
+            )
+    base = BatchSchedule(stages=tuple(
+        Stage(steps=s.steps, expected_batch_size=s.expected_batch_size, noise_multiplier=p.noise_multiplier or 1.0)
+        for s in recipe.schedule
+    ))
+    mb = recipe.train.microbatch_size
+    if not p.enabled:
+        physical = tuple(
+            physical_batch_size(s.expected_batch_size, dataset_size, multiple=mb) for s in base.stages
+        )
+        return Plan(schedule=base.with_noise_multipliers([0.0] * len(base.stages)), physical_batch_sizes=physical,
+                    ledger=None)
+    if p.noise_multiplier is None:
+        schedule = calibrate_noise_multiplier(
+            base, dataset_size=dataset_size, target_epsilon=p.target_epsilon, delta=p.delta,
+            accountant=p.accountant, per_stage=p.calibrate == "per_stage",
+        )
+    else:
+        schedule = base
+    # Truncation of an overflowing Poisson sample adds (1 + e^eps) * P[overflow] to delta; give
+    # it half of what the budget check allows, spread over all steps.
+    eps_bound = p.target_epsilon if p.target_epsilon is not None else 50.0
+    per_step = 0.5 * MAX_TRUNCATION_DELTA_FRACTION * p.delta / ((1 + math.exp(min(eps_bound, 700.0))) * schedule.total_steps)
+    physical = tuple(
+        physical_batch_size(s.expected_batch_size, dataset_size, overflow_probability_bound=per_step, multiple=mb)
+        for s in schedule.stages
+    )
+    ledger = PrivacyLedger.for_schedule(
+        schedule, dataset_size=dataset_size, delta=p.delta, clip_norm=p.clip_norm, accountant=p.accountant,
+        physical_batch_sizes=list(physical), target_epsilon=p.target_epsilon,
+    )
+    ledger.check_budget()
+    return Plan(schedule=schedule, physical_batch_sizes=physical, ledger=ledger)
+
+
+# ---------------------------------------------------------------------------- helpers
+
+
+def _learning_rate(recipe: Recipe) -> optax.Schedule:
+    o, total = recipe.optimizer, recipe.total_steps
+    end = o.learning_rate * o.end_learning_rate_fraction
+    decay_steps = max(total - o.warmup_steps, 1)
+    if o.decay == "constant":
+        decay = optax.constant_schedule(o.learning_rate)
+    elif o.decay == "linear":
+        decay = optax.linear_schedule(o.learning_rate, end, decay_steps)
+    else:
+        decay = optax.cosine_decay_schedule(o.learning_rate, decay_steps, alpha=o.end_learning_rate_fraction)
+    if o.warmup_steps == 0:
+        return decay
+    warmup = optax.linear_schedule(0.0, o.learning_rate, o.warmup_steps)
+    return optax.join_schedules([warmup, decay], [o.warmup_steps])
+
+
+def _fingerprint(obj: Any) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _write_json(path: Path, obj: Any) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    with os.fdopen(fd, "w") as f:
+        json.dump(obj, f, indent=2, sort_keys=True)
+    os.replace(tmp, path)
+
+
+class _StopFlag:
+    """Set by SIGTERM; the loop checkpoints and returns at the next step boundary."""
+
+    def __init__(self) -> None:
+        self.stop = False
+        self._previous: Any = None
+
+    def __enter__(self) -> _StopFlag:
+        try:
+            self._previous = signal.signal(signal.SIGTERM, self._handle)
+        except ValueError:  # not the main thread: no signal handling, nothing to restore
+            self._previous = None
+        return self
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        self.stop = True
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGTERM, self._previous)
+
+
+def _build_model(recipe: Recipe, vocab_size: int, dtype: Any) -> BertForMaskedLM:
+    m = recipe.model
+    if m.init_from is not None:
+        return BertForMaskedLM.from_pretrained(
+            m.init_from, dtype=dtype, seed=recipe.train.seed,
+            hidden_dropout_prob=m.hidden_dropout_prob, attention_probs_dropout_prob=m.attention_probs_dropout_prob,
+        )
+    from transformers import BertConfig
+
+    if m.vocab_size is not None and m.vocab_size < vocab_size:
+        raise ValueError(
+            f"recipe field 'model.vocab_size': {m.vocab_size} is smaller than the tokenizer's {vocab_size} tokens"
+        )
+    config = BertConfig(
+        vocab_size=m.vocab_size or vocab_size,
+        hidden_size=m.hidden_size,
+        num_hidden_layers=m.num_hidden_layers,
+        num_attention_heads=m.num_attention_heads,
+        intermediate_size=m.intermediate_size,
+        max_position_embeddings=m.max_position_embeddings or recipe.data.seq_len,
+        hidden_dropout_prob=m.hidden_dropout_prob,
+        attention_probs_dropout_prob=m.attention_probs_dropout_prob,
+    )
+    # One jitted initialisation instead of one small eager computation per parameter.
+    return nnx.jit(lambda: BertForMaskedLM(config, rngs=nnx.Rngs(recipe.train.seed), dtype=dtype))()
+
+
+def evaluate(params: Any, eval_fn: Callable[..., Any], store: TokenStore, *, batches: int, batch_size: int
+             ) -> dict[str, float]:
+    """Held-out MLM accuracy and loss on the first `batches * batch_size` eval examples."""
+    n = min(len(store), batches * batch_size)
+    if n == 0:
+        raise ValueError(f"token store {store.path}: the eval split is empty; raise data.eval_fraction")
+    totals = {"correct": 0.0, "loss": 0.0, "count": 0.0}
+    for start in range(0, n, batch_size):
+        # Fixed shapes (one compilation): the last batch is padded with row 0, marked invalid.
+        idx = np.arange(start, start + batch_size)
+        valid = idx < n
+        idx = np.where(valid, idx, 0)
+        out = eval_fn(params, jnp.asarray(idx), jnp.asarray(store[idx]), jnp.asarray(valid, jnp.float32))
+        for k in totals:
+            totals[k] += float(out[k])
+    count = max(totals["count"], 1.0)
+    return {
+        "eval_mlm_accuracy": totals["correct"] / count,
+        "eval_mlm_loss": totals["loss"] / count,
+        "eval_masked_tokens": int(totals["count"]),
+        "eval_examples": n,
+    }
+
+
+def fill_mask(
+    graphdef: nnx.GraphDef, params: Any, tokenizer: Any, sentences: Iterable[str], top_k: int, seq_len: int
+) -> tuple[tuple[str, tuple[tuple[str, float], ...]], ...]:
+    """Top-k predictions (token, probability) for the one [MASK] of each sentence."""
+    sentences = list(sentences)
+    if not sentences:
+        return ()
+    enc = tokenizer(sentences, padding="max_length", truncation=True, max_length=seq_len, return_tensors="np")
+    ids = enc["input_ids"]
+    positions = []
+    for sentence, row in zip(sentences, ids, strict=True):
+        where = np.flatnonzero(row == tokenizer.mask_token_id)
+        if where.size != 1:
+            raise ValueError(f"fill-mask sentence {sentence!r}: expected exactly one {tokenizer.mask_token} "
+                             f"within the first {seq_len} tokens")
+        positions.append(where[:1])
+    logits = jax.jit(functional.mlm_logits, static_argnums=0)(
+        graphdef, params, jnp.asarray(ids), jnp.asarray(enc["attention_mask"]), None, None,
+        masked_positions=jnp.asarray(np.stack(positions), jnp.int32),
+    )
+    probs = np.asarray(jax.nn.softmax(logits[:, 0].astype(jnp.float32), axis=-1))
+    results = []
+    for sentence, p in zip(sentences, probs, strict=True):
+        top = np.argsort(-p)[:top_k]
+        results.append((sentence, tuple((tokenizer.convert_ids_to_tokens(int(t)), float(p[t])) for t in top)))
+    return tuple(results)
+
+
+# ---------------------------------------------------------------------------- the run
+
+
+def pretrain(
+    recipe_path: str | os.PathLike[str],
+    output_dir: str | os.PathLike[str],
+    *,
+    overrides: Iterable[str] = (),
+    resume: bool = False,
+    show_fill_mask: bool = False,
+    progress: bool = True,
+    log: Callable[[str], None] = print,
+) -> RunResult:
+    """Run (or resume) the recipe in `output_dir`; see the module docstring for guarantees."""
+    started = time.perf_counter()
+    recipe = load_recipe(recipe_path, overrides)
+    run_dir = Path(output_dir)
+    ckpt_dir = run_dir / "checkpoints"
+    if not resume and ckpt_dir.is_dir() and any(ckpt_dir.iterdir()):
+        raise ValueError(
+            f"run folder {run_dir} already holds checkpoints; pass --resume to continue it or choose another --output-dir"
+        )
+    run_dir.mkdir(parents=True, exist_ok=True)
+
+    # --- data
+    store_dir = Path(recipe.data.store) if recipe.data.store else run_dir / "store"
+    t0 = time.perf_counter()
+    manifest = prepare_store(
+        store_dir, corpus=recipe.data.corpus, tokenizer=recipe.data.tokenizer, seq_len=recipe.data.seq_len,
+        eval_fraction=recipe.data.eval_fraction, seed=recipe.data.split_seed,
+        train_vocab_size=recipe.data.train_vocab_size, num_proc=recipe.data.num_proc,
+    )
+    train_store = TokenStore.open(store_dir, "train")
+    eval_store = TokenStore.open(store_dir, "eval")
+    tokenizer = load_tokenizer(train_store.tokenizer_dir)
+    n_train = len(train_store)
+    log(f"data: {n_train} train / {len(eval_store)} held-out sequences of {manifest.seq_len} tokens "
+        f"({manifest.source}; vocabulary {manifest.vocab_origin}, {manifest.vocab_size} tokens) "
+        f"[{time.perf_counter() - t0:.0f} s]")
+
+    # --- model and optimizer
+    dtype = jnp.bfloat16 if recipe.train.dtype == "bfloat16" else jnp.float32
+    model = _build_model(recipe, manifest.vocab_size, dtype)
+    vocab_size = model.config.vocab_size
+    recipe = dataclasses.replace(recipe, model=dataclasses.replace(recipe.model, vocab_size=vocab_size))
+    graphdef, params = functional.split_params(model)
+    optimizer = default_optimizer(
+        _learning_rate(recipe), weight_decay=recipe.optimizer.weight_decay,
+        b1=recipe.optimizer.b1, b2=recipe.optimizer.b2, eps=recipe.optimizer.eps,
+    )
+    run_key = jax.random.key(recipe.train.seed)
+    masker = make_masker(
+        vocab_size=vocab_size, mask_token_id=manifest.mask_id, special_token_ids=tuple(manifest.special_token_ids),
+        pad_id=manifest.pad_id, mask_prob=recipe.data.mask_prob,
+        num_predictions=max_predictions(manifest.seq_len, recipe.data.mask_prob),
+    )
+    loss_fn = make_loss_fn(graphdef, masker, run_key)
+    eval_fn = make_eval_fn(graphdef, masker)
+
+    # --- privacy plan (refuses a schedule that would pass the target epsilon)
+    plan = make_plan(recipe, n_train)
+    if plan.ledger is not None:
+        sigmas = ", ".join(f"{s.noise_multiplier:.4g}" for s in plan.schedule.stages)
+        log(f"privacy: DP-SGD, clip norm {recipe.privacy.clip_norm}, noise multiplier(s) {sigmas}, "
+            f"planned epsilon {plan.ledger.epsilon():.3f} at delta {recipe.privacy.delta:g} ({recipe.privacy.accountant})")
+    else:
+        log("privacy: NOT private (baseline: no clipping, no noise)")
+
+    # --- state: fresh or restored
+    fingerprints = {
+        "model": _fingerprint(recipe_to_dict(recipe)["model"]),
+        "data": manifest.tokenizer_fingerprint[:16] + f"/{n_train}/{manifest.seq_len}",
+        "optimizer": _fingerprint(recipe_to_dict(recipe)["optimizer"]),
+        "seed": str(recipe.train.seed),
+        "private": str(recipe.privacy.enabled),
+    }
+    state = TrainState(params=params, opt_state=jax.jit(optimizer.init)(params), step=0,
+                       ledger_json=ledger_text(plan.ledger_after(0)))
+    checkpoints = CheckpointStore(ckpt_dir, keep=recipe.train.keep_checkpoints)
+    metrics_path = run_dir / "metrics.jsonl"
+    if resume and checkpoints.latest_step() is not None:
+        state = checkpoints.restore(state, fingerprints)
+        if state.step > recipe.total_steps:
+            raise ValueError(
+                f"checkpoint at step {state.step} is past the recipe's {recipe.total_steps} steps; "
+                "the schedule cannot shrink below the steps already taken"
+            )
+        if state.ledger != plan.ledger_after(state.step):
+            raise ValueError(
+                f"checkpoint {ckpt_dir / str(state.step)}: its privacy ledger does not match this recipe's plan "
+                "for the steps already taken (noise multiplier, batch sizes, delta or dataset changed); "
+                "a resumed run must replay the same steps"
+            )
+        truncate_after(metrics_path, state.step)
+        log(f"resumed from step {state.step}")
+    elif metrics_path.exists():
+        metrics_path.unlink()
+    save_recipe(recipe, run_dir / "recipe.yaml")
+
+    # --- loop
+    step_fns: dict[int, Callable[..., Any]] = {}
+    metrics = MetricsLog(metrics_path)
+    total = recipe.total_steps
+    stopped = False
+    last_eval: dict[str, float] | None = None
+    bar = _progress_bar(total, state.step, enabled=progress)
+
+    def save_checkpoint(state: TrainState) -> None:
+        checkpoints.save(state, fingerprints)
+        if plan.ledger is not None:
+            _write_json(run_dir / "privacy.json", state.ledger)
+
+    def run_eval(state: TrainState) -> dict[str, float]:
+        result = evaluate(state.params, eval_fn, eval_store,
+                          batches=recipe.train.eval_batches, batch_size=recipe.train.eval_batch_size)
+        metrics.write({"kind": "eval", "step": state.step, **result})
+        return {"step": state.step, **result}
+
+    params, opt_state = state.params, state.opt_state
+    try:
+        with _StopFlag() as flag:
+            while state.step < total:
+                t = state.step
+                pos = plan.schedule.stage_at(t)
+                stage = pos.stage
+                if pos.index not in step_fns:
+                    step_fns[pos.index] = _make_step(recipe, loss_fn, optimizer, stage)
+                tick = time.perf_counter()
+                sample = poisson_sample(run_key, t, n_train, stage.expected_batch_size,
+                                        plan.physical_batch_sizes[pos.index])
+                batch = {
+                    "input_ids": jnp.asarray(train_store[sample.indices]),
+                    "index": jnp.asarray(sample.indices, jnp.int32),
+                    "step": jnp.full(sample.indices.shape, t, jnp.int32),
+                }
+                params, opt_state, out = step_fns[pos.index](
+                    state.params, state.opt_state, batch, jnp.asarray(sample.is_padding), step_key(run_key, t)
+                )
+                loss = float(out["nonprivate/loss"])
+                if not math.isfinite(loss):
+                    raise NonFiniteLossError(
+                        f"non-finite training loss {loss} at step {t + 1} (learning rate too high, or bad data); "
+                        f"the last good checkpoint is in {ckpt_dir}"
+                    )
+                state = state.replace(params=params, opt_state=opt_state, step=t + 1,
+                                      ledger_json=ledger_text(plan.ledger_after(t + 1)))
+                elapsed = time.perf_counter() - tick
+                if state.step % recipe.train.log_every == 0 or state.step == total:
+                    epsilon = plan.epsilon_after(state.step)
+                    metrics.write({
+                        "kind": "train", "step": state.step,
+                        "expected_batch_size": stage.expected_batch_size,
+                        "realized_batch_size": sample.realized_size,
+                        "physical_batch_size": plan.physical_batch_sizes[pos.index],
+                        "epsilon": epsilon,
+                        "learning_rate": float(_learning_rate(recipe)(t)),
+                        "examples_per_s": sample.realized_size / elapsed,
+                        "step_time_s": elapsed,
+                        "nonprivate_diagnostics": {
+                            k.split("/", 1)[1]: float(v) for k, v in out.items() if k.startswith("nonprivate/")
+                        },
+                    })
+                    bar.set_postfix_str(
+                        f"loss {loss:.3f} (non-private diag.)" + ("" if epsilon is None else f", eps {epsilon:.2f}")
+                    )
+                bar.update(1)
+                if recipe.train.eval_every and state.step % recipe.train.eval_every == 0 and state.step < total:
+                    last_eval = run_eval(state)
+                    bar.write(f"step {state.step}: held-out MLM accuracy {last_eval['eval_mlm_accuracy']:.4f}, "
+                              f"loss {last_eval['eval_mlm_loss']:.3f}")
+                if state.step % recipe.train.checkpoint_every == 0 or state.step == total:
+                    save_checkpoint(state)
+                if flag.stop and state.step < total:
+                    save_checkpoint(state)
+                    stopped = True
+                    bar.write(f"SIGTERM: checkpoint written at step {state.step} in {ckpt_dir}; "
+                              "rerun with --resume to continue")
+                    break
+            if not stopped:
+                save_checkpoint(state)
+                last_eval = run_eval(state)
+    finally:
+        bar.close()
+        metrics.close()
+        checkpoints.close()
+
+    # --- end of run
+    epsilon = plan.epsilon_after(state.step)
+    delta = None if plan.ledger is None else recipe.privacy.delta
+    if stopped:
+        return RunResult(run_dir=run_dir, steps_done=state.step, total_steps=total, stopped_early=True,
+                         epsilon=epsilon, delta=delta, eval_mlm_accuracy=None, eval_mlm_loss=None,
+                         wall_time_s=time.perf_counter() - started)
+    _write_hf(functional.merge(graphdef, state.params), tokenizer, run_dir / "hf")
+    release = _export_release(run_dir, private=plan.ledger is not None)
+    filled = (
+        fill_mask(graphdef, state.params, tokenizer, recipe.report.fill_mask, recipe.report.top_k, manifest.seq_len)
+        if show_fill_mask else ()
+    )
+    result = RunResult(
+        run_dir=run_dir, steps_done=state.step, total_steps=total, stopped_early=False, epsilon=epsilon,
+        delta=delta, eval_mlm_accuracy=last_eval["eval_mlm_accuracy"], eval_mlm_loss=last_eval["eval_mlm_loss"],
+        wall_time_s=time.perf_counter() - started, fill_mask=filled,
+    )
+    _report(result, release, log)
+    return result
+
+
+def _make_step(recipe: Recipe, loss_fn: Callable[..., Any], optimizer: optax.GradientTransformation,
+               stage: Stage) -> Callable[..., Any]:
+    if recipe.privacy.enabled:
+        return make_dp_train_step(
+            loss_fn, optimizer, clip_norm=recipe.privacy.clip_norm, noise_multiplier=stage.noise_multiplier,
+            expected_batch_size=stage.expected_batch_size, microbatch_size=recipe.train.microbatch_size,
+        )
+    return make_train_step(loss_fn, optimizer, microbatch_size=recipe.train.microbatch_size)
+
+
+def _progress_bar(total: int, initial: int, *, enabled: bool) -> Any:
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, initial=initial, desc="pretrain", unit="step", disable=not enabled,
+                file=sys.stderr, dynamic_ncols=True)
+
+
+def _write_hf(model: BertForMaskedLM, tokenizer: Any, out: Path) -> None:
+    """The final model and its tokenizer as a Hugging Face folder (atomic: temp sibling, rename)."""
+    import shutil
+
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}."))
+    try:
+        model.save_pretrained(str(tmp))
+        tokenizer.save_pretrained(str(tmp))
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _export_release(run_dir: Path, *, private: bool) -> Path:
+    from dpbert.release.export import export_run
+
+    return export_run(run_dir, run_dir / "release", non_private=not private, overwrite=True)
+
+
+def _report(result: RunResult, release: Path, log: Callable[[str], None]) -> None:
+    log("")
+    log(f"run {result.run_dir}: {result.steps_done} steps in {result.wall_time_s:.0f} s")
+    if result.epsilon is None:
+        log("privacy: NOT private (baseline)")
+    else:
+        log(f"privacy: epsilon = {result.epsilon:.3f} at delta = {result.delta:g}")
+    log(f"held-out MLM accuracy: {100 * result.eval_mlm_accuracy:.2f}%  (loss {result.eval_mlm_loss:.3f})")
+    log(f"Hugging Face folder: {result.run_dir / 'hf'}; release with privacy metadata: {release}")
+    for sentence, preds in result.fill_mask:
+        log(f"  {sentence}")
+        log("    -> " + ", ".join(f"{tok} ({p:.2f})" for tok, p in preds))
+
+
+def pretrain_main(args: Any) -> int:
+    """`dpbert pretrain` entry point (argparse namespace from dpbert.cli)."""
+    result = pretrain(
+        args.recipe, args.output_dir, overrides=args.set or (), resume=args.resume, show_fill_mask=args.fill_mask,
+    )
+    return 0 if result.stopped_early or result.steps_done == result.total_steps else 1
+
+
+def plot_main(args: Any) -> int:
+    """`dpbert plot` entry point."""
+    from dpbert.train.metrics import plot_run
+
+    print(plot_run(args.run_dir, args.out))
+    return 0

@@ -1,0 +1,279 @@
+"""The pretraining loop, run for real and small: a 1-layer BERT on a few KB of templated text
+with a WordPiece trained on it, DP-SGD through the real DP core, real Orbax checkpoints.
+
+The corpus has strong local structure (fixed phrases with one free slot), so masked tokens
+are predictable from context: a model that learned anything beats the unigram baseline.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+import yaml
+from safetensors.numpy import load_file
+
+from dpbert.data.store import TokenStore
+from dpbert.privacy import PrivacyLedger
+from dpbert.train.checkpoint import CheckpointStore
+from dpbert.train.metrics import plot_run, read_metrics
+from dpbert.train.pretrain import NonFiniteLossError, pretrain  # noqa: F401  (public API)
+
+PHRASES = [
+    "the president of the united states {w} the congress .",
+    "we the people of the nation {w} our freedom .",
+    "the army and the navy {w} the republic .",
+    "in the year of our lord we {w} peace .",
+    "the secretary of the treasury {w} the public debt .",
+    "my fellow citizens , we {w} the future .",
+]
+SLOTS = ["protect", "address", "serve", "defend", "support", "honor"]
+
+RECIPE = {
+    "model": {"hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2, "intermediate_size": 64,
+              "hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0},
+    "data": {"tokenizer": "train", "train_vocab_size": 300, "seq_len": 32, "eval_fraction": 0.1, "num_proc": 1},
+    # One stage: each stage is its own compiled step, and compiling dominates a test this small.
+    "schedule": [{"steps": 6, "expected_batch_size": 24}],
+    "privacy": {"enabled": True, "clip_norm": 1.0, "delta": 1.0e-3, "accountant": "rdp",
+                "noise_multiplier": 1.0, "target_epsilon": 20.0},
+    "optimizer": {"learning_rate": 1.0e-2, "warmup_steps": 1},
+    "train": {"microbatch_size": 24, "checkpoint_every": 2, "eval_every": 3, "eval_batches": 2,
+              "eval_batch_size": 16, "log_every": 1},
+    "report": {"fill_mask": ["the president of the [MASK] states the congress ."], "top_k": 3},
+}
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory):
+    """A corpus folder and a prepared token store shared by the tests of this module."""
+    root = tmp_path_factory.mktemp("pretrain")
+    rng = random.Random(0)
+    corpus = root / "corpus"
+    corpus.mkdir()
+    for d in range(80):
+        lines = [rng.choice(PHRASES).format(w=rng.choice(SLOTS)) for _ in range(8)]
+        (corpus / f"doc{d:03d}.txt").write_text(" ".join(lines))
+    cache = root / "jax_cache"
+    return {"root": root, "corpus": corpus, "store": root / "store", "cache": cache}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def compilation_cache(workspace):
+    """One persistent XLA cache for this process and the trainer subprocesses: the killed and
+    resumed runs reuse the reference run's compiled steps (the same programs, so the same bits)."""
+    from jax.experimental.compilation_cache import compilation_cache as cc
+
+    names = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs")
+    before = {name: getattr(jax.config, name) for name in names}
+    jax.config.update("jax_compilation_cache_dir", str(workspace["cache"]))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    cc.reset_cache()
+    yield
+    for name, value in before.items():
+        jax.config.update(name, value)
+    cc.reset_cache()
+
+
+def write_recipe(workspace, path: Path, **sections) -> Path:
+    recipe = json.loads(json.dumps(RECIPE))
+    recipe["data"].update(corpus=str(workspace["corpus"]), store=str(workspace["store"]))
+    for name, values in sections.items():
+        if isinstance(values, dict):
+            recipe[name].update(values)
+        else:
+            recipe[name] = values
+    path.write_text(yaml.safe_dump(recipe))
+    return path
+
+
+def final_params(run_dir: Path) -> dict[str, np.ndarray]:
+    return load_file(str(run_dir / "hf" / "model.safetensors"))
+
+
+def run_cli(workspace, *args: str) -> subprocess.Popen:
+    env = {**os.environ, "JAX_COMPILATION_CACHE_DIR": str(workspace["cache"]),
+           "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0", "JAX_PLATFORMS": "cpu"}
+    return subprocess.Popen([sys.executable, "-m", "dpbert.cli", "pretrain", *args], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def wait_for(predicate, proc: subprocess.Popen, timeout: float = 240.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if proc.poll() is not None:
+            raise AssertionError(f"trainer exited early (rc {proc.returncode}):\n{proc.stdout.read()}")
+        if time.monotonic() > deadline:
+            proc.kill()
+            raise AssertionError("trainer did not reach the expected point in time")
+        time.sleep(0.02)
+
+
+@pytest.fixture(scope="module")
+def reference_run(workspace):
+    """An uninterrupted private run (in this process)."""
+    recipe = write_recipe(workspace, workspace["root"] / "ref.yaml")
+    run_dir = workspace["root"] / "ref"
+    result = pretrain(recipe, run_dir, show_fill_mask=True, progress=False, log=lambda s: None)
+    return recipe, run_dir, result
+
+
+def test_tiny_private_run_end_to_end(reference_run):
+    recipe, run_dir, result = reference_run
+    assert result.steps_done == result.total_steps == 6 and not result.stopped_early
+    # Ledger: every step once, epsilon recomputable from privacy.json, within the target.
+    ledger = PrivacyLedger.from_dict(json.loads((run_dir / "privacy.json").read_text()))
+    assert [s.steps for s in ledger.stages] == [6]
+    assert [s.expected_batch_size for s in ledger.stages] == [24]
+    assert ledger.epsilon() == pytest.approx(result.epsilon, rel=1e-9)
+    assert 0 < result.epsilon <= 20.0
+    records = read_metrics(run_dir / "metrics.jsonl")
+    train = [r for r in records if r["kind"] == "train"]
+    assert [r["step"] for r in train] == [1, 2, 3, 4, 5, 6]
+    assert [r["expected_batch_size"] for r in train] == [24] * 6
+    eps = [r["epsilon"] for r in train]
+    assert all(a < b for a, b in zip(eps, eps[1:])) and eps[-1] == pytest.approx(result.epsilon)
+    for r in train:
+        assert set(r["nonprivate_diagnostics"]) >= {"loss", "clipped_fraction"}
+        assert "loss" not in r  # the private-batch loss only appears labelled as non-private
+        assert r["realized_batch_size"] <= r["physical_batch_size"]
+    evals = [r for r in records if r["kind"] == "eval"]
+    assert [r["step"] for r in evals] == [3, 6]
+    assert evals[-1]["eval_mlm_accuracy"] == pytest.approx(result.eval_mlm_accuracy)
+    # The Hugging Face folder loads in transformers and matches the Flax model's predictions.
+    from transformers import AutoTokenizer, BertConfig
+
+    config = BertConfig.from_pretrained(run_dir / "hf")
+    assert (config.hidden_size, config.num_hidden_layers) == (32, 1)
+    assert AutoTokenizer.from_pretrained(run_dir / "hf").mask_token == "[MASK]"
+    release = json.loads((run_dir / "release" / "privacy.json").read_text())
+    assert release["private"] is True
+    assert release["guarantees"][0]["epsilon"] == pytest.approx(result.epsilon, rel=1e-6)
+    assert yaml.safe_load((run_dir / "recipe.yaml").read_text())["model"]["vocab_size"] == config.vocab_size
+    (sentence, preds), = result.fill_mask
+    assert len(preds) == 3 and all(0 <= p <= 1 for _, p in preds)
+    png = plot_run(run_dir)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_sigkill_then_sigterm_then_resume_equals_uninterrupted(workspace, reference_run):
+    recipe, ref_dir, ref = reference_run
+    run_dir = workspace["root"] / "interrupted"
+    ckpts = run_dir / "checkpoints"
+
+    # 1. SIGKILL once the first checkpoint (step 2) is complete.
+    proc = run_cli(workspace, str(recipe), "--output-dir", str(run_dir))
+    wait_for(lambda: (ckpts / "2").is_dir(), proc)  # Orbax renames a step folder into place when complete
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    steps_before = CheckpointStore(ckpts).latest_step()
+    assert steps_before is not None and steps_before < 6, "the kill came too late to test anything"
+
+    # 2. Resume, then SIGTERM: a clean exit (rc 0) with a checkpoint at the step reached.
+    proc = run_cli(workspace, str(recipe), "--output-dir", str(run_dir), "--resume")
+    metrics = run_dir / "metrics.jsonl"
+
+    def advanced() -> bool:
+        return any(r["kind"] == "train" and r["step"] > steps_before for r in read_metrics(metrics))
+
+    wait_for(advanced, proc)
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=240)
+    assert proc.returncode == 0, out
+    stopped_at = CheckpointStore(ckpts).latest_step()
+    if stopped_at < 6:  # it may legitimately have finished before the signal landed
+        assert "SIGTERM" in out and stopped_at > steps_before
+        assert json.loads((run_dir / "privacy.json").read_text())["stages"][-1]["steps"] == stopped_at
+
+    # 3. Resume to the end: same params, same ledger, same metrics as the uninterrupted run.
+    result = pretrain(recipe, run_dir, resume=True, progress=False, log=lambda s: None)
+    assert result.steps_done == 6
+    ref_params, params = final_params(ref_dir), final_params(run_dir)
+    assert ref_params.keys() == params.keys()
+    for name in ref_params:
+        np.testing.assert_allclose(params[name], ref_params[name], rtol=0, atol=1e-6, err_msg=name)
+    assert json.loads((run_dir / "privacy.json").read_text()) == json.loads((ref_dir / "privacy.json").read_text())
+    assert result.epsilon == ref.epsilon
+    ref_train = [r for r in read_metrics(ref_dir / "metrics.jsonl") if r["kind"] == "train"]
+    train = [r for r in read_metrics(metrics) if r["kind"] == "train"]
+    assert [r["step"] for r in train] == [1, 2, 3, 4, 5, 6]  # each step logged once
+    for a, b in zip(train, ref_train):
+        assert a["realized_batch_size"] == b["realized_batch_size"] and a["epsilon"] == b["epsilon"]
+        assert a["nonprivate_diagnostics"]["loss"] == pytest.approx(b["nonprivate_diagnostics"]["loss"], abs=1e-5)
+
+
+def test_resume_that_would_pass_the_target_epsilon_is_refused(workspace, reference_run):
+    recipe, ref_dir, ref = reference_run
+    with pytest.raises(ValueError, match="privacy budget exceeded"):
+        pretrain(recipe, ref_dir, resume=True, overrides=["schedule.0.steps=3000"], progress=False, log=lambda s: None)
+    # Nothing was spent or written by the refused resume.
+    assert CheckpointStore(ref_dir / "checkpoints").latest_step() == 6
+    assert PrivacyLedger.from_dict(json.loads((ref_dir / "privacy.json").read_text())).total_steps == 6
+    # A fresh run with that schedule is refused the same way, before any step.
+    with pytest.raises(ValueError, match="privacy budget exceeded"):
+        pretrain(recipe, workspace["root"] / "too_long", overrides=["schedule.0.steps=3000"], progress=False,
+                 log=lambda s: None)
+    assert not (workspace["root"] / "too_long" / "checkpoints").exists()
+
+
+def test_resume_with_a_changed_plan_is_refused(workspace, reference_run):
+    recipe, ref_dir, _ = reference_run
+    with pytest.raises(ValueError, match="privacy ledger does not match"):
+        pretrain(recipe, ref_dir, resume=True, overrides=["privacy.noise_multiplier=1.5"], progress=False,
+                 log=lambda s: None)
+    with pytest.raises(ValueError, match="already holds checkpoints"):
+        pretrain(recipe, ref_dir, progress=False, log=lambda s: None)
+
+
+def test_corrupted_or_foreign_checkpoint_is_named(workspace, reference_run, tmp_path):
+    recipe, ref_dir, _ = reference_run
+    import shutil
+
+    run_dir = tmp_path / "corrupt"
+    shutil.copytree(ref_dir, run_dir)
+    for f in (run_dir / "checkpoints" / "6" / "state").rglob("*"):
+        if f.is_file():
+            f.write_bytes(b"garbage")
+    with pytest.raises(ValueError, match=r"checkpoint .*corrupt.checkpoints.6"):
+        pretrain(recipe, run_dir, resume=True, progress=False, log=lambda s: None)
+
+    foreign = tmp_path / "foreign"
+    (foreign / "checkpoints" / "7" / "meta").mkdir(parents=True)
+    (foreign / "checkpoints" / "7" / "meta" / "metadata").write_text('{"hello": "world"}')
+    (foreign / "checkpoints" / "7" / "_CHECKPOINT_METADATA").write_text("{}")
+    with pytest.raises(ValueError, match=r"checkpoint .*foreign.checkpoints.7"):
+        pretrain(recipe, foreign, resume=True, progress=False, log=lambda s: None)
+
+
+def test_nonprivate_run_beats_the_unigram_baseline(workspace):
+    recipe = write_recipe(
+        workspace, workspace["root"] / "nonprivate.yaml",
+        privacy={"enabled": False, "noise_multiplier": None, "target_epsilon": None},
+        schedule=[{"steps": 150, "expected_batch_size": 32}],
+        train={"checkpoint_every": 150, "eval_every": 0, "eval_batches": 4, "log_every": 50},
+    )
+    run_dir = workspace["root"] / "nonprivate"
+    result = pretrain(recipe, run_dir, progress=False, log=lambda s: None)
+    assert result.epsilon is None and not (run_dir / "privacy.json").exists()
+    assert json.loads((run_dir / "release" / "privacy.json").read_text())["private"] is False
+
+    # Unigram baseline: always predict the most frequent non-special train token. Its held-out
+    # accuracy is that token's share of the eligible held-out tokens (masking is uniform over them).
+    train = TokenStore.open(workspace["store"], "train")
+    held = TokenStore.open(workspace["store"], "eval")
+    specials = set(train.manifest.special_token_ids)
+    counts = Counter(int(t) for t in train[np.arange(len(train))].ravel() if int(t) not in specials)
+    top = counts.most_common(1)[0][0]
+    eval_tokens = [int(t) for t in held[np.arange(len(held))].ravel() if int(t) not in specials]
+    baseline = sum(t == top for t in eval_tokens) / len(eval_tokens)
+    assert result.eval_mlm_accuracy > baseline + 0.05, (result.eval_mlm_accuracy, baseline)
