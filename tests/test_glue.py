@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 from pathlib import Path
 
@@ -307,12 +309,60 @@ def _tiny_model(folder: Path) -> None:
     tokenizer.save_pretrained(str(folder))
 
 
+# Private pretraining guarantee of the source release. RDP keeps the (re)computations cheap: the PLD
+# accountant is tested in test_privacy_accounting.py, here only its bookkeeping matters.
+_PRETRAINING = {"steps": 1000, "expected_batch_size": 256, "noise_multiplier": 1.0, "dataset_size": 100_000}
+
+
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """SST-2-like data, a plain HF folder (`model`) and a dpbert release of it (`pretrained_dp`)."""
+    from dpbert.privacy.accounting import PrivacyLedger
+    from dpbert.privacy.schedule import BatchSchedule
+    from dpbert.release import CardInfo, Guarantee, ReleaseMetadata, write_release
+
     root = tmp_path_factory.mktemp("finetune")
     _synthetic_sst2(root / "SST-2", n_train=800, n_dev=200)
     _tiny_model(root / "model")
+    p = _PRETRAINING
+    ledger = PrivacyLedger.for_schedule(
+        BatchSchedule.constant(steps=p["steps"], expected_batch_size=p["expected_batch_size"], noise_multiplier=p["noise_multiplier"]),
+        dataset_size=p["dataset_size"], delta=1e-6, clip_norm=1.0, accountant="rdp",
+    )  # fmt: skip
+    meta = ReleaseMetadata(
+        guarantees=(Guarantee.from_ledger(scope="pretraining", data="synthetic corpus", ledger=ledger.to_dict()),),
+        vocabulary_origin="public word list", vocabulary_covered=True,
+    )  # fmt: skip
+    info = CardInfo(model_name="tiny-dp", architecture="tiny BERT", reproduce_command="dpbert pretrain tiny.yaml")
+    write_release(root / "pretrained_dp", model=root / "model", meta=meta, info=info)
     return root
+
+
+@pytest.fixture(scope="module")
+def nonprivate_run(tiny: Path) -> tuple[Path, dict]:
+    """Non-private fine-tuning of the plain HF folder (no privacy metadata)."""
+    from dpbert.train.finetune import finetune, load_config
+
+    config = load_config(None, ["max_seq_len=12", "nonprivate.learning_rate=1e-3", "nonprivate.epochs=1"])
+    out = tiny / "out_np"
+    result = finetune(task="sst2", model=str(tiny / "model"), output_dir=out, data=tiny / "SST-2", config=config, log=lambda _: None)
+    return out, result
+
+
+@pytest.fixture(scope="module")
+def dp_run(tiny: Path) -> tuple[Path, str]:
+    """DP fine-tuning from the CLI, of the release with a private pretraining guarantee; (OUT, stdout)."""
+    from dpbert import cli
+
+    out = tiny / "out_dp"
+    argv = ["finetune", "--task", "sst2", "--model", str(tiny / "pretrained_dp"), "--data-dir", str(tiny / "SST-2"),
+            "--output-dir", str(out), "--dp", "--epsilon", "8",
+            "--set", "max_seq_len=12", "--set", "private.batch_size=200", "--set", "private.learning_rate=1e-2",
+            "--set", "private.epochs=4", "--set", "privacy.accountant=rdp"]  # fmt: skip
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        assert cli.main(argv) == 0
+    return out, printed.getvalue()
 
 
 def test_recipe_is_the_default_config_and_overrides_name_fields() -> None:
@@ -328,12 +378,8 @@ def test_recipe_is_the_default_config_and_overrides_name_fields() -> None:
         load_config(None, ["nonprivate.trainable=lora"])
 
 
-def test_nonprivate_finetune_learns_and_writes_outputs(tiny: Path) -> None:
-    from dpbert.train.finetune import finetune, load_config
-
-    config = load_config(None, ["max_seq_len=12", "nonprivate.learning_rate=1e-3", "nonprivate.epochs=1"])
-    out = tiny / "out_np"
-    result = finetune(task="sst2", model=str(tiny / "model"), output_dir=out, data=tiny / "SST-2", config=config)
+def test_nonprivate_finetune_learns_and_writes_outputs(nonprivate_run: tuple[Path, dict]) -> None:
+    out, result = nonprivate_run
     assert result["dev"]["validation"]["accuracy"] > 0.75  # chance is 0.5
     assert result["n_train"] == 800 and result["steps"] == 25  # ceil(800 / 32)
     assert result["trained"]["subset"] == "all" and result["trained"]["parameters"] == result["trained"]["total_parameters"]
@@ -346,27 +392,106 @@ def test_nonprivate_finetune_learns_and_writes_outputs(tiny: Path) -> None:
     assert (out / "model" / "model.safetensors").is_file() and (out / "model" / "tokenizer.json").is_file()
 
 
-def test_dp_finetune_from_the_cli_learns_and_spends_the_asked_epsilon(tiny: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from dpbert import cli
+def test_nonprivate_release_claims_no_privacy_for_either_dataset(nonprivate_run: tuple[Path, dict]) -> None:
+    from dpbert.release import verify_folder
+    from dpbert.release.card import read_front_matter
+
+    out, result = nonprivate_run
+    check = verify_folder(out / "model")
+    assert check.ok, check.summary()
+    assert check.status == "non-private"
+    assert [(c.scope, c.recomputed_epsilon) for c in check.checks] == [
+        ("pretraining", float("inf")), ("fine-tuning (sst2)", float("inf"))
+    ]  # fmt: skip
+    privacy = json.loads((out / "model" / "privacy.json").read_text())
+    assert privacy["private"] is False and [g["epsilon"] for g in privacy["guarantees"]] == ["inf", "inf"]
+    assert "no dpbert privacy metadata" in privacy["guarantees"][0]["data"]  # unknown, said plainly
+    assert result["release"]["private"] is False and len(result["release"]["guarantees"]) == 2
+    matter = read_front_matter(out / "model" / "README.md")
+    assert matter["pipeline_tag"] == "text-classification" and "non-private" in matter["tags"]
+    assert not {"differential-privacy", "dp-sgd"} & set(matter["tags"])
+    assert "NOT differentially private" in (out / "model" / "README.md").read_text()
+
+
+def test_dp_finetune_from_the_cli_learns_and_spends_the_asked_epsilon(dp_run: tuple[Path, str]) -> None:
     from dpbert.privacy.accounting import PrivacyLedger
 
-    out = tiny / "out_dp"
-    argv = ["finetune", "--task", "sst2", "--model", str(tiny / "model"), "--data-dir", str(tiny / "SST-2"),
-            "--output-dir", str(out), "--dp", "--epsilon", "8",
-            "--set", "max_seq_len=12", "--set", "private.batch_size=200", "--set", "private.learning_rate=1e-2",
-            "--set", "private.epochs=4"]  # fmt: skip
-    assert cli.main(argv) == 0
+    out, printed = dp_run
     result = json.loads((out / "metrics.json").read_text())
     assert result["dev"]["validation"]["accuracy"] > 0.75  # chance is 0.5
     privacy = result["privacy"]
     n = 800
     assert privacy["delta"] == pytest.approx(1 / n**1.1) and privacy["delta_rule"] == "1/n^1.1"
     assert privacy["expected_batch_size"] == 200 and privacy["steps"] == 16  # 4 epochs * 800 / 200
+    assert privacy["accountant"] == "rdp"
     assert 8 * 0.99 <= privacy["epsilon"] <= 8.0  # calibrated to spend the budget, never more
     ledger = PrivacyLedger.from_dict(json.loads((out / "privacy.json").read_text()))
     assert ledger.dataset_size == n and ledger.stages[0].noise_multiplier == privacy["noise_multiplier"]
     assert ledger.epsilon() == pytest.approx(privacy["epsilon"], rel=1e-6)
     trained = result["trained"]
     assert trained["subset"] == "bias" and 0 < trained["parameters"] < trained["total_parameters"] / 5
-    printed = capsys.readouterr().out
     assert "noise_multiplier=" in printed and "1/n^1.1" in printed and "sst2" in printed.splitlines()[-1]
+
+
+def test_dp_release_states_both_guarantees_each_for_its_own_data(dp_run: tuple[Path, str], tiny: Path, tmp_path: Path) -> None:
+    import shutil
+
+    from dpbert import cli
+    from dpbert.release import verify_folder
+    from dpbert.release.card import read_front_matter
+
+    out, _ = dp_run
+    model_dir = out / "model"
+    result = json.loads((out / "metrics.json").read_text())
+    source = json.loads((tiny / "pretrained_dp" / "privacy.json").read_text())["guarantees"][0]
+    task_ledger = json.loads((out / "privacy.json").read_text())
+    privacy = json.loads((model_dir / "privacy.json").read_text())
+    pretraining, task = privacy["guarantees"]
+    assert privacy["private"] is True
+    assert (pretraining["scope"], pretraining["data"], pretraining["ledger"]) == ("pretraining", "synthetic corpus", source["ledger"])
+    assert pretraining["epsilon"] == source["epsilon"] and pretraining["ledger"]["dataset_size"] == _PRETRAINING["dataset_size"]
+    assert (task["scope"], task["data"]) == ("fine-tuning (sst2)", "GLUE SST-2 training set (800 examples)")
+    assert task["ledger"] == task_ledger and task["epsilon"] == pytest.approx(result["privacy"]["epsilon"], rel=1e-9)
+    assert privacy["vocabulary"] == {"origin": "public word list", "covered": True}  # inherited from the source
+
+    check = verify_folder(model_dir)  # each epsilon recomputed from its own ledger
+    assert check.ok and check.status == "private", check.summary()
+    assert {c.scope: c.recomputed_epsilon for c in check.checks} == pytest.approx(
+        {"pretraining": source["epsilon"], "fine-tuning (sst2)": result["privacy"]["epsilon"]}, rel=1e-3
+    )
+    assert cli.main(["verify", str(model_dir)]) == 0
+
+    matter = read_front_matter(model_dir / "README.md")
+    assert matter["pipeline_tag"] == "text-classification" and {"differential-privacy", "dp-sgd"} <= set(matter["tags"])
+    (entry,) = matter["model-index"][0]["results"]
+    assert entry["task"]["type"] == "text-classification" and entry["dataset"]["config"] == "sst2"
+    assert entry["metrics"] == [
+        {"type": "accuracy", "value": result["dev"]["validation"]["accuracy"], "name": "validation accuracy"}
+    ]
+
+    # Editing the task epsilon anywhere is caught; the pretraining one is untouched.
+    edited = shutil.copytree(model_dir, tmp_path / "edited")
+    card = (edited / "README.md").read_text()
+    stated = matter["differential_privacy"]["guarantees"][1]["epsilon"]
+    (edited / "README.md").write_text(card.replace(f"epsilon: {stated}", "epsilon: 1.0", 1))
+    problems = verify_folder(edited).problems
+    assert len(problems) == 1 and "epsilon for 'fine-tuning (sst2)'" in problems[0], problems
+    edited_json = {**privacy, "guarantees": [pretraining, {**task, "epsilon": 1.0}]}
+    (edited / "README.md").write_text(card)
+    (edited / "privacy.json").write_text(json.dumps(edited_json))
+    assert any("fine-tuning (sst2)" in p for p in verify_folder(edited).problems)
+    assert cli.main(["verify", str(edited)]) == 1
+
+    # transformers (PyTorch) loads the classifier with the task's labels and reproduces its dev accuracy.
+    import torch
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    hf = AutoModelForSequenceClassification.from_pretrained(str(model_dir)).eval()
+    assert hf.config.num_labels == 2 and hf.config.id2label == {0: "negative", 1: "positive"}
+    dev = glue.load_split(glue.get_task("sst2"), tiny / "SST-2", "validation")
+    enc = AutoTokenizer.from_pretrained(str(model_dir))(
+        list(dev.texts[0]), padding="max_length", truncation=True, max_length=12, return_tensors="pt"
+    )
+    with torch.no_grad():
+        preds = hf(**enc).logits.argmax(-1).numpy()
+    assert np.mean(preds == dev.labels) == pytest.approx(result["dev"]["validation"]["accuracy"], abs=0.011)

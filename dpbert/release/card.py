@@ -1,12 +1,14 @@
 """Model cards (README.md) rendered from the templates in `model_cards/`.
 
 The YAML front matter is built here as data (so it is always valid YAML that
-`huggingface_hub.ModelCard.load` parses): `library_name: transformers`, `pipeline_tag: fill-mask`,
+`huggingface_hub.ModelCard.load` parses): `library_name: transformers`, `pipeline_tag` (`fill-mask`
+unless `CardInfo.pipeline_tag` says otherwise, e.g. `text-classification` for a fine-tuned classifier),
 tags, a `differential_privacy` block with every guarantee (scope, data, private, epsilon (`.inf` when not
 private), delta, accountant, privacy_unit, sampling, dataset_size, and truncation_delta when Poisson
 samples were truncated) and a `model-index` entry with the
-held-out masked-LM accuracy. The body comes from a Jinja2 template. A release that is not private gets
-no `differential-privacy`/`dp-sgd` tags and says plainly that epsilon is infinity.
+held-out masked-LM accuracy and any `CardInfo.model_index_results` (e.g. GLUE dev metrics). The body
+comes from a Jinja2 template. A release that is not private gets no `differential-privacy`/`dp-sgd`
+tags and says plainly that epsilon is infinity.
 """
 
 from __future__ import annotations
@@ -54,6 +56,8 @@ class CardInfo:
     eval_metrics: Mapping[str, float] = dataclasses.field(default_factory=dict)
     limitations: tuple[str, ...] = ()
     template: str = DEFAULT_TEMPLATE
+    pipeline_tag: str = "fill-mask"
+    model_index_results: tuple[Mapping[str, Any], ...] = ()
 
     def __post_init__(self) -> None:
         if not self.model_name:
@@ -66,12 +70,12 @@ class CardInfo:
 
 def front_matter(meta: ReleaseMetadata, info: CardInfo) -> dict[str, Any]:
     """The card's metadata as a dict (what `ModelCard.load(...).data.to_dict()` gives back)."""
-    tags = ["bert", "fill-mask", "dpbert"] + (list(DP_TAGS) if meta.private else ["non-private"])
+    tags = ["bert", info.pipeline_tag, "dpbert"] + (list(DP_TAGS) if meta.private else ["non-private"])
     data: dict[str, Any] = {
         "language": info.language,
         "license": info.license,
         "library_name": "transformers",
-        "pipeline_tag": "fill-mask",
+        "pipeline_tag": info.pipeline_tag,
         "tags": tags,
     }
     if info.base_model:
@@ -80,25 +84,24 @@ def front_matter(meta: ReleaseMetadata, info: CardInfo) -> dict[str, Any]:
         "private": meta.private,
         "guarantees": [g.summary() for g in meta.guarantees],
     }
+    results: list[Mapping[str, Any]] = []
     if info.mlm_accuracy is not None:
-        data["model-index"] = [
+        results.append(
             {
-                "name": info.model_name,
-                "results": [
+                "task": {"type": "fill-mask", "name": "Masked language modeling"},
+                "dataset": {"type": "held-out", "name": info.eval_dataset},
+                "metrics": [
                     {
-                        "task": {"type": "fill-mask", "name": "Masked language modeling"},
-                        "dataset": {"type": "held-out", "name": info.eval_dataset},
-                        "metrics": [
-                            {
-                                "type": "accuracy",
-                                "value": float(info.mlm_accuracy),
-                                "name": "held-out masked-LM accuracy",
-                            }
-                        ],
+                        "type": "accuracy",
+                        "value": float(info.mlm_accuracy),
+                        "name": "held-out masked-LM accuracy",
                     }
                 ],
             }
-        ]
+        )
+    results += [dict(r) for r in info.model_index_results]
+    if results:
+        data["model-index"] = [{"name": info.model_name, "results": results}]
     return data
 
 

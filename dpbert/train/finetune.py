@@ -5,12 +5,23 @@
 - `OUT/metrics.json`: the task's metrics on each dev set (both MNLI dev sets), the number of
   training examples n, what was trained (subset and parameter count) and, for DP runs, the
   task guarantee: epsilon, delta (and the rule that chose it), noise multiplier, clip norm,
-  expected batch size, steps, accountant; plus the pretraining guarantee of the source model
-  (its `privacy.json`), if it has one;
+  expected batch size, steps, accountant; plus `release`, the guarantees the model folder states;
 - `OUT/evals.jsonl`: one JSON line per evaluation (after every epoch and at the end);
 - `OUT/privacy.json` (DP runs): the task-data ledger, from which anyone recomputes epsilon;
-- `OUT/model/`: the fine-tuned `BertForSequenceClassification` (Hugging Face names, loadable by
-  `transformers`) with its tokenizer.
+- `OUT/model/`: a dpbert release (`dpbert.release.write_release`) of the fine-tuned
+  `BertForSequenceClassification` (Hugging Face names, loadable by transformers'
+  `AutoModelForSequenceClassification` with the task's `id2label`), its tokenizer, and
+  `privacy.json` + model card (`model_cards/bert_glue.md.j2`, `pipeline_tag: text-classification`,
+  `model-index` with the dev metrics) that `dpbert verify OUT/model` checks.
+
+Guarantees of the fine-tuned model, each for its own data, never composed:
+- the source checkpoint's own guarantees (normally "pretraining"), copied from its `privacy.json`
+  after `resolve_pretrained` has verified them. A checkpoint without dpbert privacy metadata (a
+  plain Hugging Face folder) gets a "pretraining" guarantee marked NOT private (epsilon infinity):
+  nothing is known about its pretraining data, so nothing is claimed;
+- "fine-tuning (TASK)" for the task's training set: the task ledger of a DP run, or epsilon
+  infinity for non-private fine-tuning.
+The release is private only if every guarantee is.
 
 Training. Non-private: AdamW with linear warm-up then linear decay to 0, shuffled epochs of
 `batch_size` (the usual BERT fine-tuning recipe: lr 2e-5, batch 32, 3 epochs, 10 % warm-up,
@@ -313,12 +324,117 @@ def _append_jsonl(path: Path, record: Mapping[str, Any]) -> None:
         f.write(json.dumps(record) + "\n")
 
 
-def _read_pretraining_privacy(model_dir: Path) -> dict[str, Any] | None:
-    path = model_dir / "privacy.json"
-    if not path.is_file():
-        return None
-    with path.open() as f:
-        return json.load(f)
+# ----------------------------------------------------------------------------- release
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SourcePrivacy:
+    """What the fine-tuned model inherits from its source checkpoint: guarantees and vocabulary."""
+
+    guarantees: tuple[Any, ...]  # dpbert.release.Guarantee
+    vocabulary_origin: str
+    vocabulary_covered: bool
+
+
+def source_privacy(model_dir: Path, model: str) -> SourcePrivacy:
+    """The source checkpoint's guarantees (its verified `privacy.json`), or, for a checkpoint
+    without dpbert privacy metadata, one "pretraining" guarantee marked NOT private."""
+    from dpbert.release.metadata import PRIVACY_FILE, Guarantee, guarantees_from_json, read_privacy_json
+
+    if not (model_dir / PRIVACY_FILE).is_file():
+        # Nothing is known about how its pretraining data was used, so nothing is claimed.
+        unknown = f"unknown (the source checkpoint {_model_name(model)} has no dpbert privacy metadata)"
+        return SourcePrivacy(
+            guarantees=(Guarantee.non_private(scope="pretraining", data=unknown),),
+            vocabulary_origin=f"Its origin is not recorded (the source checkpoint {_model_name(model)} has no "
+            "dpbert privacy metadata)",
+            vocabulary_covered=False,
+        )
+    # resolve_pretrained has verified this file: every stated epsilon is its ledger's.
+    data = read_privacy_json(model_dir)
+    vocabulary = data.get("vocabulary") or {}
+    return SourcePrivacy(
+        guarantees=tuple(guarantees_from_json(data, str(model_dir / PRIVACY_FILE))),
+        vocabulary_origin=str(vocabulary.get("origin") or "Its origin is not recorded"),
+        vocabulary_covered=vocabulary.get("covered") is True,
+    )
+
+
+def _model_name(model: str) -> str:
+    """A local folder's name, or a Hub id as is (local paths stay out of cards)."""
+    return Path(model).name if Path(model).exists() else model
+
+
+def _task_scope(task: glue.GlueTask) -> str:
+    return f"fine-tuning ({task.name})"
+
+
+def _export(
+    out: Path,
+    *,
+    net: Any,
+    tokenizer: Any,
+    task: glue.GlueTask,
+    model: str,
+    config: FinetuneConfig,
+    source: SourcePrivacy,
+    n: int,
+    plan: DPPlan | None,
+    dev: Mapping[str, Mapping[str, float]],
+) -> Any:
+    """Write OUT/model with `write_release`; returns its `ReleaseMetadata`."""
+    from dpbert.release import CardInfo, Guarantee, ReleaseMetadata, write_release
+
+    data = f"GLUE {task.glue_dir} training set ({n} examples)"
+    scope = _task_scope(task)
+    task_guarantee = (
+        Guarantee.from_ledger(scope=scope, data=data, ledger=plan.ledger.to_dict())
+        if plan is not None
+        else Guarantee.non_private(scope=scope, data=data)
+    )
+    vocabulary_origin, vocabulary_covered = source.vocabulary_origin, source.vocabulary_covered
+    if config.tokenizer is not None:
+        vocabulary_origin = "A tokenizer given for fine-tuning (config.tokenizer); its origin is not recorded"
+        vocabulary_covered = False
+    meta = ReleaseMetadata(
+        guarantees=(*source.guarantees, task_guarantee),
+        vocabulary_origin=vocabulary_origin,
+        vocabulary_covered=vocabulary_covered,
+        recipe_name="finetune.yaml",
+        recipe_content=yaml.safe_dump(dataclasses.asdict(config), sort_keys=False),
+    )
+    cfg = net.config
+    labels = ", ".join(task.label_names) if task.label_names else "one regression output (score 0-5)"
+    is_hub_id = not Path(model).exists()
+    info = CardInfo(
+        model_name=f"{_model_name(model).split('/')[-1]}-{task.name}" + ("-dp" if plan is not None else ""),
+        base_model=model if is_hub_id else None,
+        architecture=(
+            f"Architecture: BERT, {cfg.num_hidden_layers} layers, hidden size {cfg.hidden_size}, "
+            f"{cfg.num_attention_heads} attention heads, vocabulary {cfg.vocab_size}; classification head for "
+            f"GLUE {task.glue_dir} ({labels}), inputs up to {config.max_seq_len} tokens."
+        ),
+        reproduce_command=(
+            f"dpbert finetune --task {task.name} --model {model if is_hub_id else 'SOURCE_MODEL_DIR'} "
+            f"--data-dir {task.glue_dir.upper()}_DIR --recipe finetune.yaml --output-dir OUT"
+        ),
+        eval_dataset=f"GLUE {task.glue_dir} dev set" + ("s" if len(dev) > 1 else ""),
+        eval_metrics={f"{split} {name}": value for split, metrics in dev.items() for name, value in metrics.items()},
+        template="bert_glue.md.j2",
+        pipeline_tag="text-classification",
+        model_index_results=tuple(
+            {
+                "task": {"type": "text-classification", "name": "Text Classification"},
+                "dataset": {"type": "nyu-mll/glue", "name": f"GLUE {task.glue_dir}", "config": task.name, "split": split},
+                "metrics": [{"type": name, "value": float(value), "name": f"{split} {name}"} for name, value in metrics.items()],
+            }
+            for split, metrics in dev.items()
+        ),
+    )
+    with tempfile.TemporaryDirectory(dir=out, prefix=".tokenizer-") as tok_dir:
+        tokenizer.save_pretrained(tok_dir)
+        write_release(out / "model", model=net, meta=meta, info=info, tokenizer_dir=tok_dir, overwrite=True)
+    return meta
 
 
 # ----------------------------------------------------------------------------- training
@@ -414,15 +530,17 @@ class DPPlan:
     steps: int
     steps_per_epoch: int
     ledger: Any
+    spent_epsilon: float  # ledger.epsilon(), computed once: a PLD recomputation takes seconds
+    truncation_delta: float
 
     def summary(self) -> dict[str, Any]:
         stage = self.ledger.stages[0]
         return {
-            "epsilon": self.ledger.epsilon(),
+            "epsilon": self.spent_epsilon,
             "target_epsilon": self.epsilon,
             "delta": self.delta,
             "delta_rule": self.delta_rule,
-            "truncation_delta": self.ledger.truncation_delta(),
+            "truncation_delta": self.truncation_delta,
             "noise_multiplier": self.noise_multiplier,
             "clip_norm": self.ledger.clip_norm,
             "expected_batch_size": self.expected_batch_size,
@@ -459,11 +577,11 @@ def plan_dp(n: int, config: FinetuneConfig) -> DPPlan:
         schedule, dataset_size=n, delta=delta, clip_norm=priv.clip_norm, accountant=priv.accountant,
         physical_batch_sizes=[physical], target_epsilon=priv.epsilon,
     )  # fmt: skip
-    ledger.check_budget()
+    spent = ledger.check_budget()
     return DPPlan(
         epsilon=priv.epsilon, delta=delta, delta_rule=rule, noise_multiplier=schedule.stages[0].noise_multiplier,
         expected_batch_size=batch, physical_batch_size=physical, steps=steps, steps_per_epoch=steps_per_epoch,
-        ledger=ledger,
+        ledger=ledger, spent_epsilon=spent, truncation_delta=ledger.truncation_delta(spent),
     )  # fmt: skip
 
 
@@ -533,6 +651,9 @@ def finetune(
 
     splits = glue.load_task(task, data)
     net, tokenizer, model_dir = _load_model_and_tokenizer(task, model, config)
+    source = source_privacy(model_dir, model)
+    if _task_scope(task) in {g.scope for g in source.guarantees}:
+        raise ValueError(f"model {model}: already carries a '{_task_scope(task)}' guarantee (fine-tuned on {task.name})")
     encoded = {name: glue.encode(s, tokenizer, config.max_seq_len) for name, s in splits.items()}
     train = encoded["train"]
     n = len(train["labels"])
@@ -566,6 +687,7 @@ def finetune(
         return results
 
     privacy: dict[str, Any] | None = None
+    plan: DPPlan | None = None
     if config.dp:
         plan = plan_dp(n, config)
         log(
@@ -582,9 +704,9 @@ def finetune(
 
     final = evaluate_all(float(optim.epochs), steps, trainable)
     nnx.update(net, nnx.merge_state(trainable, frozen))
-    model_out = out / "model"
-    net.save_pretrained(str(model_out))
-    tokenizer.save_pretrained(str(model_out))
+    meta = _export(
+        out, net=net, tokenizer=tokenizer, task=task, model=model, config=config, source=source, n=n, plan=plan, dev=final
+    )  # fmt: skip
 
     result = {
         "task": task.name,
@@ -596,7 +718,7 @@ def finetune(
         "steps": steps,
         "private": config.dp,
         "privacy": privacy,
-        "pretraining_privacy": _read_pretraining_privacy(model_dir),
+        "release": {"folder": "model", **meta.config_copy()},
         "config": dataclasses.asdict(config),
         "seconds": round(time.time() - started, 1),
     }
