@@ -1,0 +1,441 @@
+"""Exact per-example clipping without per-example gradients ("ghost" norms + book-keeping).
+
+For every layer whose parameters enter linearly, the per-example gradient is a product of two
+quantities a backward pass already has: the layer's input `a` [T, d_in] and the gradient of
+the loss with respect to its output `g` [T, d_out] (taken with the perturbation trick: a
+zero tensor `z` is added to each layer output and d loss / d z is the output gradient). So
+
+- the squared per-example norm of a dense kernel is ||a^T g||_F^2, computed either as
+  sum_{t,s} (a_t . a_s)(g_t . g_s) (the "ghost" norm, T^2 (d_in + d_out) flops) or from
+  a^T g itself (T d_in d_out flops), whichever is cheaper for that layer's shape;
+- the clipped sum is sum_i w_i a_i^T g_i with w_i = min(1, C / ||grad_i||), one einsum per
+  layer ("book-keeping", Bu et al. 2023): no second backward pass and no [M, params] tensor.
+
+`MLMGhostLoss` is the BERT-aware part: a per-example masked-LM loss for a dpbert
+`BertForMaskedLM` that covers EVERY parameter (dense kernels and biases, LayerNorm scale and
+bias, word / position / token-type embeddings, the MLM bias) and the tied word embedding,
+whose per-example gradient is the sum of its two uses (input lookup G_in and decoder G_dec):
+||G_in + G_dec||^2 = ||G_in||^2 + ||G_dec||^2 + 2 <G_in, G_dec>, the cross term exactly
+sum_{t,p} e_p[id_t] (x_p . g_t). The object is also a plain `loss_fn(params, example, rng)`,
+so the vmap path (`dpbert.privacy.clipping`) and this path clip the same function.
+
+`ghost_clipped_grad_sum(loss, params, batch, is_padding, rng, ...)` has the signature and the
+guarantees of `clipping.clipped_grad_sum` (sensitivity clip_norm, padding and non-finite
+examples contribute exactly zero, per-example keys fold_in(rng, global position), ClipStats
+not private). The two paths agree to float tolerance; the choice changes neither the noise
+nor the accounting (noise is added by the step on the returned sum). One difference at the
+extreme: a finite gradient whose squared norm overflows float32 (norm > ~1e19) is dropped
+(counted non-finite) here, clipped there; both keep the sensitivity at clip_norm.
+
+Forward numerics: the tapped forward calls the model's own submodules (Linear, LayerNorm,
+attention, dropout sites), so the loss and its dropout masks are those of the plain loss.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from dpbert.model import bert as bert_lib
+from dpbert.model.bert import BertForMaskedLM
+from dpbert.model.functional import merge
+from dpbert.privacy.clipping import ClipStats, _check_batch, _split_microbatches, _zero_like_batch
+from dpbert.privacy.clipping import clipped_grad_sum as clipped_grad_sum_vmap
+
+Path = tuple[Any, ...]
+_F32 = jnp.float32
+
+
+def mlm_loss_from_logits(logits: jax.Array, example: dict[str, jax.Array]) -> jax.Array:
+    """Mean cross-entropy over the example's weighted masked positions (0 if none)."""
+    ce = optax.softmax_cross_entropy_with_integer_labels(logits.astype(_F32), example["labels"])
+    w = example["label_weights"]
+    return jnp.sum(ce * w) / jnp.maximum(jnp.sum(w), 1.0)
+
+
+class _Tape:
+    """Records, during one traced forward, each tap's input and adds its zero perturbation."""
+
+    def __init__(self, z: dict[str, jax.Array] | None):
+        self.z = z
+        self.inputs: dict[str, Any] = {}
+        self.outputs: dict[str, jax.ShapeDtypeStruct] = {}
+
+    def out(self, name: str, y: jax.Array, record: Any) -> jax.Array:
+        self.inputs[name] = record
+        self.outputs[name] = jax.ShapeDtypeStruct(y.shape, y.dtype)
+        return y if self.z is None else y + self.z[name]
+
+    def dense(self, name: str, layer: nnx.Linear, x: jax.Array) -> jax.Array:
+        return self.out(name, layer(x), x)
+
+    def layer_norm(self, name: str, ln: nnx.LayerNorm, x: jax.Array) -> jax.Array:
+        # Same statistics as flax's LayerNorm (float32, fast variance); xhat is the input of the
+        # affine part, whose per-example gradients are sum_t g_t * xhat_t and sum_t g_t.
+        xf = x.astype(_F32)
+        mean = jnp.mean(xf, -1, keepdims=True)
+        var = jnp.maximum(jnp.mean(jnp.square(xf), -1, keepdims=True) - jnp.square(mean), 0.0)
+        xhat = (xf - mean) * jax.lax.rsqrt(var + ln.epsilon)
+        return self.out(name, ln(x), xhat)
+
+
+def _key(path: Path) -> str:
+    return "/".join(str(p) for p in path)
+
+
+def _tapped_mlm_forward(model: BertForMaskedLM, example: dict[str, jax.Array], rng: jax.Array | None, tape: _Tape):
+    """Logits [P, V] of ONE example, the model's own computation with taps (batch axis of 1 inside,
+    exactly like `functional.mlm_logits` on an unbatched example)."""
+    ids = example["input_ids"][None]
+    types = example.get("token_type_ids")
+    types = jnp.zeros_like(ids) if types is None else types[None]
+    mask = example.get("attention_mask")
+    mask = bert_lib._attention_mask(None if mask is None else mask[None])
+    emb = model.bert.embeddings
+    seq_len = ids.shape[-1]
+    x = (
+        jnp.take(emb.word_embeddings.embedding[...], ids, axis=0)
+        + jnp.take(emb.token_type_embeddings.embedding[...], types, axis=0)
+        + emb.position_embeddings.embedding[...][:seq_len]
+    ).astype(emb.dtype)
+    x = tape.out("embeddings", x, {"ids": ids, "types": types})
+    x = tape.layer_norm(_key(("bert", "embeddings", "LayerNorm")), emb.LayerNorm, x)
+    x = bert_lib.dropout(x, emb.dropout_rate, bert_lib._fold(rng, bert_lib._SITE_EMBEDDINGS))
+    for i, layer in enumerate(model.bert.encoder.layer):
+        lkey = bert_lib._fold(rng, bert_lib._SITE_LAYER_BASE + i)
+        pre = ("bert", "encoder", "layer", i)
+        sa = layer.attention.self
+        heads = (*x.shape[:-1], sa.num_heads, sa.head_dim)
+        q, k, v = (
+            tape.dense(_key(pre + ("attention", "self", n)), getattr(sa, n), x).reshape(heads)
+            for n in ("query", "key", "value")
+        )
+        akey = bert_lib._fold(lkey, bert_lib._SITE_ATTN_PROBS)
+        context = bert_lib.dot_product_attention(
+            q, k, v, mask, dropout_rate=sa.dropout_rate, dropout_rng=akey if sa.dropout_rate > 0.0 else None
+        ).reshape(x.shape)
+        so = layer.attention.output
+        h = tape.dense(_key(pre + ("attention", "output", "dense")), so.dense, context)
+        h = bert_lib.dropout(h, so.dropout_rate, bert_lib._fold(lkey, bert_lib._SITE_ATTN_OUT)) + x
+        attended = tape.layer_norm(_key(pre + ("attention", "output", "LayerNorm")), so.LayerNorm, h)
+        inter = layer.intermediate
+        h = bert_lib.ACTIVATIONS[inter.hidden_act](tape.dense(_key(pre + ("intermediate", "dense")), inter.dense, attended))
+        out = layer.output
+        h = tape.dense(_key(pre + ("output", "dense")), out.dense, h)
+        h = bert_lib.dropout(h, out.dropout_rate, bert_lib._fold(lkey, bert_lib._SITE_FFN_OUT)) + attended
+        x = tape.layer_norm(_key(pre + ("output", "LayerNorm")), out.LayerNorm, h)
+    positions = example.get("masked_positions")
+    if positions is not None:
+        x = jnp.take_along_axis(x, positions[None, :, None], axis=1)
+    head = model.cls.predictions
+    tr = head.transform
+    x = bert_lib.ACTIVATIONS[tr.hidden_act](tape.dense(_key(("cls", "predictions", "transform", "dense")), tr.dense, x))
+    x = tape.layer_norm(_key(("cls", "predictions", "transform", "LayerNorm")), tr.LayerNorm, x)
+    if head.decoder is None:
+        table = emb.word_embeddings.embedding[...]
+        logits = jnp.einsum("...h,vh->...v", x, table.astype(head.dtype))
+    else:
+        logits = head.decoder(x)
+    logits = tape.out("logits", logits + head.bias[...].astype(head.dtype), x)
+    return logits[0]
+
+
+# ---------------------------------------------------------------------------- per-layer algebra
+# Every function below takes float32 taps of a micro-batch of M examples: inputs `a` [M, T, d_in]
+# and output gradients `g` [M, T, d_out], already zeroed for examples that are not kept.
+
+
+def _flat(x: jax.Array) -> jax.Array:
+    """[M, 1, ..., d] -> [M, T, d] float32 (T = product of the middle axes)."""
+    return x.reshape(x.shape[0], -1, x.shape[-1]).astype(_F32)
+
+
+def _outer_sq_norm(a: jax.Array, g: jax.Array) -> jax.Array:
+    """||a_i^T g_i||_F^2 per example, by the cheaper of the ghost and the direct form."""
+    t, d_in, d_out = a.shape[1], a.shape[2], g.shape[2]
+    if t * (d_in + d_out) < d_in * d_out:
+        return jnp.sum(jnp.einsum("mtd,msd->mts", a, a) * jnp.einsum("mtd,msd->mts", g, g), axis=(1, 2))
+    return jnp.sum(jnp.square(jnp.einsum("mti,mto->mio", a, g)), axis=(1, 2))
+
+
+def _sq(x: jax.Array) -> jax.Array:
+    return jnp.sum(jnp.square(x), axis=tuple(range(1, x.ndim)))
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MLMGhostLoss:
+    """Per-example masked-LM loss of a dpbert `BertForMaskedLM`, with ghost clipping support.
+
+    `example` holds `input_ids` [L], `masked_positions` [P], `labels` [P], `label_weights` [P]
+    and optionally `attention_mask` [L] and `token_type_ids` [L] (zeros when absent).
+    `loss_from_logits(logits [P, V], example) -> scalar` defaults to the weighted mean
+    cross-entropy. Call it as a plain `loss_fn(params, example, rng)`.
+    """
+
+    graphdef: nnx.GraphDef
+    loss_from_logits: Callable[[jax.Array, dict[str, jax.Array]], jax.Array] = mlm_loss_from_logits
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.graphdef, nnx.GraphDef):
+            raise ValueError(f"graphdef: expected an nnx.GraphDef, got {type(self.graphdef).__name__}")
+        if not callable(self.loss_from_logits):
+            raise ValueError("loss_from_logits: expected a callable (logits, example) -> scalar")
+
+    def __call__(self, params: Any, example: dict[str, jax.Array], rng: jax.Array) -> jax.Array:
+        return self.tapped(params, example, rng, None)[0]
+
+    def tapped(self, params: Any, example: dict[str, jax.Array], rng: jax.Array | None, z: dict | None):
+        """(loss, tap inputs, tap output shapes) of one example, z added at each tap output."""
+        model = merge(self.graphdef, params)
+        if not isinstance(model, BertForMaskedLM):
+            raise ValueError(f"graphdef: expected a BertForMaskedLM, got {type(model).__name__}")
+        tape = _Tape(z)
+        logits = _tapped_mlm_forward(model, example, rng, tape)
+        return self.loss_from_logits(logits, example), tape.inputs, tape.outputs
+
+    def sq_norms(self, params: Any, inputs: dict[str, Any], grads: dict[str, jax.Array]) -> jax.Array:
+        """Squared norm [M] of each example's whole gradient, from tap inputs and output grads."""
+        total = 0.0
+        for name, g in grads.items():
+            if name in ("embeddings", "logits"):
+                continue
+            a, g = _flat(inputs[name]), _flat(g)
+            if name.endswith("LayerNorm"):
+                total += _sq(jnp.sum(g * a, axis=1)) + _sq(jnp.sum(g, axis=1))
+            else:
+                total += _outer_sq_norm(a, g) + _sq(jnp.sum(g, axis=1))
+        return total + self._embedding_sq_norms(params, inputs, grads)
+
+    def _embedding_sq_norms(self, params: Any, inputs: dict[str, Any], grads: dict[str, jax.Array]) -> jax.Array:
+        ids = inputs["embeddings"]["ids"].reshape(grads["embeddings"].shape[0], -1)
+        types = inputs["embeddings"]["types"].reshape(ids.shape)
+        g = _flat(grads["embeddings"])  # [M, L, H]: gradient of each lookup's output row
+        e = _flat(grads["logits"])  # [M, P, V]: gradient of the logits
+        x = _flat(inputs["logits"])  # [M, P, H]: decoder input
+        n_types = params["bert"]["embeddings"]["token_type_embeddings"]["embedding"].shape[0]
+        # Position rows 0..L-1 each receive one token's gradient.
+        total = _sq(g)
+        total += _sq(jnp.einsum("mtk,mth->mkh", jax.nn.one_hot(types, n_types, dtype=_F32), g))
+        total += _sq(jnp.sum(e, axis=1))  # MLM bias
+        same = (ids[:, :, None] == ids[:, None, :]).astype(_F32)  # tokens sharing a table row
+        word_in = jnp.sum(same * jnp.einsum("mth,msh->mts", g, g), axis=(1, 2))
+        decoder = _outer_sq_norm(x, e)
+        if self._tied(params):
+            e_at_ids = jnp.take_along_axis(e, ids[:, None, :], axis=2)  # [M, P, L]: e_p[id_t]
+            cross = jnp.sum(e_at_ids * jnp.einsum("mph,mth->mpt", x, g), axis=(1, 2))
+            return total + word_in + decoder + 2.0 * cross
+        return total + word_in + decoder
+
+    @staticmethod
+    def _tied(params: Any) -> bool:
+        return "decoder" not in params["cls"]["predictions"]
+
+    def weighted_sums(
+        self, params: Any, inputs: dict[str, Any], grads: dict[str, jax.Array], w: jax.Array
+    ) -> dict[Path, jax.Array]:
+        """sum_i w_i grad_i for every parameter, keyed by parameter path (float32)."""
+        out: dict[Path, jax.Array] = {}
+        for name, g in grads.items():
+            if name in ("embeddings", "logits"):
+                continue
+            path = tuple(int(p) if p.isdigit() else p for p in name.split("/"))
+            a, g = _flat(inputs[name]), _flat(g) * w[:, None, None]
+            if name.endswith("LayerNorm"):
+                out[path + ("scale",)] = jnp.einsum("mth,mth->h", a, g)
+            else:
+                out[path + ("kernel",)] = jnp.einsum("mti,mto->io", a, g)
+            out[path + ("bias",)] = jnp.sum(g, axis=(0, 1))
+        m = w.shape[0]
+        ids = inputs["embeddings"]["ids"].reshape(m, -1)
+        types = inputs["embeddings"]["types"].reshape(ids.shape)
+        g = _flat(grads["embeddings"]) * w[:, None, None]
+        e = _flat(grads["logits"]) * w[:, None, None]
+        x = _flat(inputs["logits"])
+        emb = params["bert"]["embeddings"]
+        table = emb["word_embeddings"]["embedding"]
+        pos_table = emb["position_embeddings"]["embedding"]
+        n_types = emb["token_type_embeddings"]["embedding"].shape[0]
+        seq_len = ids.shape[1]
+        word = jnp.zeros(table.shape, _F32).at[ids.reshape(-1)].add(g.reshape(-1, g.shape[-1]))
+        decoder = jnp.einsum("mpv,mph->vh", e, x)
+        if self._tied(params):
+            word = word + decoder
+        else:
+            out[("cls", "predictions", "decoder", "kernel")] = decoder.T
+        out[("bert", "embeddings", "word_embeddings", "embedding")] = word
+        out[("bert", "embeddings", "position_embeddings", "embedding")] = (
+            jnp.zeros(pos_table.shape, _F32).at[:seq_len].set(jnp.sum(g, axis=0))
+        )
+        out[("bert", "embeddings", "token_type_embeddings", "embedding")] = jnp.einsum(
+            "mtk,mth->kh", jax.nn.one_hot(types, n_types, dtype=_F32), g
+        )
+        out[("cls", "predictions", "bias")] = jnp.sum(e, axis=(0, 1))
+        return out
+
+
+def _param_path(path: tuple[Any, ...]) -> Path:
+    return tuple(k.key if hasattr(k, "key") else k.idx for k in path if hasattr(k, "key") or hasattr(k, "idx"))
+
+
+def ghost_clipped_grad_sum(
+    loss: MLMGhostLoss,
+    params: Any,
+    batch: Any,
+    is_padding: jax.Array,
+    rng: jax.Array,
+    *,
+    clip_norm: float,
+    microbatch_size: int,
+    position_offset: int | jax.Array = 0,
+) -> tuple[Any, ClipStats]:
+    """`clipping.clipped_grad_sum` by ghost norms and book-keeping (same arguments, same result
+    to float tolerance, same guarantees); `loss` must expose taps (an `MLMGhostLoss`)."""
+    if not isinstance(loss, MLMGhostLoss):
+        raise ValueError(
+            f"loss_fn: the ghost clipping path needs an MLMGhostLoss (a loss with layer taps), "
+            f"got {type(loss).__name__}; use clipping_method='vmap' for other losses"
+        )
+    if not clip_norm > 0:
+        raise ValueError(f"clip_norm must be > 0, got {clip_norm!r}")
+    num_micro = _check_batch(batch, is_padding, microbatch_size)
+    tapped = jax.vmap(loss.tapped, in_axes=(None, 0, 0, 0))
+
+    def one_microbatch(carry: tuple[dict[Path, jax.Array], ClipStats], xs: tuple[Any, jax.Array, jax.Array]):
+        total, stats = carry
+        examples, padding, index = xs
+        positions = position_offset + index * microbatch_size + jnp.arange(microbatch_size)
+        keys = jax.vmap(lambda p: jax.random.fold_in(rng, p))(positions)
+        shapes = jax.eval_shape(lambda: tapped(params, examples, keys, None)[2])
+        z = jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+        # Params are closed over: the backward pass stops at the layer outputs (no weight grads).
+        losses, vjp, inputs = jax.vjp(lambda z: tapped(params, examples, keys, z)[:2], z, has_aux=True)
+        (out_grads,) = vjp(jnp.ones_like(losses))
+        norms = jnp.sqrt(loss.sq_norms(params, inputs, out_grads))
+        finite = jnp.isfinite(norms) & jnp.isfinite(losses)
+        real = ~padding
+        keep = real & finite
+        scale = jnp.where(keep, jnp.minimum(1.0, clip_norm / norms), 0.0)
+
+        def zero_dropped(x: jax.Array) -> jax.Array:
+            # where() before the weighted sums: 0 * NaN would still be NaN.
+            if not jnp.issubdtype(x.dtype, jnp.floating):
+                return x
+            return jnp.where(keep.reshape((-1,) + (1,) * (x.ndim - 1)), x, jnp.zeros((), x.dtype))
+
+        sums = loss.weighted_sums(
+            params,
+            jax.tree_util.tree_map(zero_dropped, inputs),
+            jax.tree_util.tree_map(zero_dropped, out_grads),
+            scale,
+        )
+        if set(sums) != set(total):
+            # A parameter without a tap would silently escape clipping: refuse instead.
+            raise ValueError(
+                f"ghost clipping does not match the parameters: missing {sorted(set(total) - set(sums))}, "
+                f"unknown {sorted(set(sums) - set(total))}"
+            )
+        total = {k: total[k] + sums[k] for k in total}
+        f32 = jnp.float32
+        stats = ClipStats(
+            num_examples=stats.num_examples + jnp.sum(real, dtype=f32),
+            num_clipped=stats.num_clipped + jnp.sum(keep & (norms > clip_norm), dtype=f32),
+            num_nonfinite=stats.num_nonfinite + jnp.sum(real & ~finite, dtype=f32),
+            loss_sum=stats.loss_sum + jnp.sum(jnp.where(keep, losses, 0.0), dtype=f32),
+        )
+        return (total, stats), None
+
+    zero = _zero_like_batch(is_padding)
+    leaves = {_param_path(p): leaf for p, leaf in jax.tree_util.tree_leaves_with_path(params)}
+    init_total = {k: jnp.zeros(v.shape, _F32) + zero for k, v in leaves.items()}
+    init = (init_total, ClipStats(num_examples=zero, num_clipped=zero, num_nonfinite=zero, loss_sum=zero))
+    xs = (
+        _split_microbatches(batch, num_micro, microbatch_size),
+        is_padding.reshape(num_micro, microbatch_size),
+        jnp.arange(num_micro),
+    )
+    (total, stats), _ = jax.lax.scan(one_microbatch, init, xs)
+    paths = [_param_path(p) for p, _ in jax.tree_util.tree_leaves_with_path(params)]
+    grads = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(params), [total[p] for p in paths])
+    return grads, stats
+
+
+CLIPPING_METHODS = ("vmap", "ghost", "auto")
+_AUTO_CHOICES: dict[Any, str] = {}
+
+
+def time_clipping_methods(
+    loss: MLMGhostLoss, params: Any, batch: Any, *, clip_norm: float, microbatch_size: int, repeats: int = 3
+) -> dict[str, float]:
+    """Seconds per micro-batch of each clipping method, measured on placeholder inputs with the
+    shapes of `params` and of one micro-batch of `batch` (never on private data; arrays or
+    ShapeDtypeStructs are accepted). Best of `repeats` runs after one warm-up."""
+    import time
+
+    import numpy as np
+
+    def dummy(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
+        # Small non-zero floats keep every code path (softmax, norms) in its normal regime;
+        # integer inputs (token ids, positions) at zero are valid indices.
+        return np.full(shape, 0.02 if jnp.issubdtype(dtype, jnp.floating) else 0, dtype)
+
+    # Concrete evaluation even when called while an outer step is being traced.
+    with jax.ensure_compile_time_eval():
+        p = jax.tree_util.tree_map(lambda x: dummy(x.shape, x.dtype), params)
+        b = jax.tree_util.tree_map(lambda x: dummy((microbatch_size,) + x.shape[1:], x.dtype), batch)
+        pad = np.zeros((microbatch_size,), np.bool_)
+        key = jax.random.key(0)
+        seconds = {}
+        for name, impl in {"vmap": clipped_grad_sum_vmap, "ghost": ghost_clipped_grad_sum}.items():
+            fn = jax.jit(
+                lambda p, b, impl=impl: impl(loss, p, b, pad, key, clip_norm=clip_norm, microbatch_size=microbatch_size)
+            ).lower(p, b).compile()
+            jax.block_until_ready(fn(p, b))
+            best = float("inf")
+            for _ in range(repeats):
+                start = time.perf_counter()
+                jax.block_until_ready(fn(p, b))
+                best = min(best, time.perf_counter() - start)
+            seconds[name] = best
+    return seconds
+
+
+def clipped_sum_for(method: str, loss_fn: Any) -> Callable[..., tuple[Any, ClipStats]]:
+    """The clipped-sum function (signature of `clipping.clipped_grad_sum`) for `method`.
+
+    "vmap": per-example gradients by vmap (any loss). "ghost": ghost norms + book-keeping
+    (needs an `MLMGhostLoss`). "auto": for an `MLMGhostLoss`, the faster of the two for the
+    model and shapes, timed once per shape on placeholder inputs when the step is traced
+    (the choice never depends on data); for any other loss, "vmap". The result, the noise and
+    the accounting are the same whichever method runs.
+    """
+    if method not in CLIPPING_METHODS:
+        raise ValueError(f"clipping_method: expected one of {CLIPPING_METHODS}, got {method!r}")
+    ghost_capable = isinstance(loss_fn, MLMGhostLoss)
+    if method == "vmap" or (method == "auto" and not ghost_capable):
+        return clipped_grad_sum_vmap
+    if not ghost_capable:
+        raise ValueError(
+            f"clipping_method='ghost' needs a loss with layer taps (MLMGhostLoss), got {type(loss_fn).__name__}"
+        )
+    if method == "ghost":
+        return ghost_clipped_grad_sum
+
+    def auto(loss, params, batch, is_padding, rng, *, clip_norm, microbatch_size, position_offset=0):
+        shapes = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), (params, batch))
+        signature = (loss, str(shapes), microbatch_size)
+        if signature not in _AUTO_CHOICES:
+            seconds = time_clipping_methods(loss, *shapes, clip_norm=clip_norm, microbatch_size=microbatch_size)
+            _AUTO_CHOICES[signature] = min(seconds, key=seconds.get)
+        impl = ghost_clipped_grad_sum if _AUTO_CHOICES[signature] == "ghost" else clipped_grad_sum_vmap
+        return impl(
+            loss, params, batch, is_padding, rng,
+            clip_norm=clip_norm, microbatch_size=microbatch_size, position_offset=position_offset,
+        )
+
+    return auto
