@@ -289,9 +289,34 @@ def _add_audit(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
+def _add_bench(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "bench",
+        help="time DP vs non-private steps (both clipping paths) next to PyTorch and Opacus; DP-step memory",
+        description="One table (or --json object) of examples/s, ratios and peak memory, with the JAX backend "
+        "and device. PyTorch/Opacus rows are skipped with a message when not installed (extra: bench).",
+    )
+    p.add_argument("--model", choices=["tiny", "mini", "base"], default="tiny",
+                   help="tiny 2x128, mini 4x256, base 12x768; vocab 8192, seq len 128 (default: tiny)")
+    p.add_argument("--batch", type=int, default=32, help="examples per step (default: 32)")
+    p.add_argument("--microbatch", type=int, default=8, help="DP micro-batch size (default: 8)")
+    p.add_argument("--steps", type=int, default=3, help="timed steps per row after one warm-up (default: 3)")
+    p.add_argument("--bfloat16", action="store_true", help="bfloat16 compute (float32 parameters and sums)")
+    p.add_argument("--no-peers", dest="peers", action="store_false", help="skip PyTorch and Opacus")
+    p.add_argument("--no-memory", dest="memory", action="store_false", help="skip the memory analysis")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+
+    def run(args: argparse.Namespace) -> int:
+        from dpbert.bench import bench_main
+
+        return bench_main(args)
+
+    p.set_defaults(func=run)
+
+
 def _commands() -> list[Callable[..., None]]:
     """Subcommands in the order `dpbert --help` lists them (only ones that work)."""
-    return [_add_pretrain, _add_plot, _add_prepare, _add_account, _add_export, _add_push, _add_pull, _add_verify, _add_audit, _add_finetune, _add_demo]
+    return [_add_pretrain, _add_plot, _add_prepare, _add_account, _add_export, _add_push, _add_pull, _add_verify, _add_audit, _add_finetune, _add_demo, _add_bench]
 
 
 def build_parser() -> argparse.ArgumentParser:

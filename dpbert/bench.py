@@ -1,0 +1,281 @@
+"""Throughput and memory of a DP-SGD step of BERT, next to the non-private step and the peers.
+
+`run_bench(model="tiny", batch=32, ...)` times, on one BERT masked-LM configuration at
+sequence length 128 (20 decoded positions per example):
+- dpbert non-private step (`make_train_step`, one pass over the batch);
+- dpbert DP step with each clipping path ("vmap": per-example gradients; "ghost": ghost norms
+  and book-keeping), micro-batches of `microbatch`;
+- PyTorch non-private step of transformers' `BertForMaskedLM` with the same config, and Opacus
+  DP steps (grad_sample_mode "hooks" and "ghost"; ghost refuses the tied
+  decoder: "Parameter tying is not supported") on it, with `torch.set_num_threads` equal
+  to the CPU count XLA's CPU backend uses. Each peer that is missing or fails says why.
+
+Units: examples per second (best of `steps` timed steps after one warm-up), ratios of those
+within one run, and peak memory from XLA's compiled memory analysis of the DP step
+(parameters, optimizer state, outputs and temporaries; the input batch arrays themselves are
+excluded, since they grow with any batch by construction). Models: tiny = 2 layers x 128,
+mini = 4 x 256, base = 12 x 768; vocabulary 8192 for all three (base too, so that the
+comparison isolates the encoder; BERT-base's 30522 would only enlarge the shared decoder).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+SEQ_LEN = 128
+PREDICTIONS = 20
+VOCAB = 8192
+MODELS = {"tiny": (2, 128, 2), "mini": (4, 256, 4), "base": (12, 768, 12)}  # layers, hidden, heads
+
+
+def bert_config(model: str):
+    from transformers import BertConfig
+
+    if model not in MODELS:
+        raise ValueError(f"model: expected one of {sorted(MODELS)}, got {model!r}")
+    layers, hidden, heads = MODELS[model]
+    return BertConfig(
+        vocab_size=VOCAB, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+        intermediate_size=4 * hidden, max_position_embeddings=SEQ_LEN, hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )
+
+
+def _data(batch: int, seed: int = 0) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return {
+        "input_ids": rng.integers(5, VOCAB, (batch, SEQ_LEN)).astype(np.int32),
+        "attention_mask": np.ones((batch, SEQ_LEN), np.int32),
+        "masked_positions": np.sort(rng.choice(np.arange(1, SEQ_LEN - 1), PREDICTIONS, replace=False))[None]
+        .repeat(batch, 0).astype(np.int32),
+        "labels": rng.integers(5, VOCAB, (batch, PREDICTIONS)).astype(np.int32),
+        "label_weights": np.ones((batch, PREDICTIONS), np.float32),
+    }
+
+
+def _time(run: Callable[[], Any], steps: int) -> float:
+    """Best seconds per call after one warm-up (compilation) call."""
+    jax.block_until_ready(run())
+    best = float("inf")
+    for _ in range(steps):
+        start = time.perf_counter()
+        jax.block_until_ready(run())
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def _jax_rows(model: str, batch: int, microbatch: int, steps: int, dtype: Any) -> tuple[dict[str, float], Any]:
+    from flax import nnx
+
+    from dpbert.model import functional
+    from dpbert.model.bert import BertForMaskedLM
+    from dpbert.privacy.dp_step import make_dp_train_step, make_train_step
+    from dpbert.privacy.ghost_clipping import MLMGhostLoss
+
+    graphdef, params = functional.split_params(BertForMaskedLM(bert_config(model), rngs=nnx.Rngs(0), dtype=dtype))
+    loss = MLMGhostLoss(graphdef=graphdef)
+    optimizer = optax.sgd(1e-4)
+    data = {k: jnp.asarray(v) for k, v in _data(batch).items()}
+    padding = jnp.zeros((batch,), jnp.bool_)
+    steps_fns = {"dpbert non-private": make_train_step(loss, optimizer, microbatch_size=batch, donate=False)}
+    for method in ("vmap", "ghost"):
+        steps_fns[f"dpbert DP ({method})"] = make_dp_train_step(
+            loss, optimizer, clip_norm=1.0, noise_multiplier=1.0, expected_batch_size=batch,
+            microbatch_size=microbatch, donate=False, clipping_method=method,
+        )
+    state = (params, optimizer.init(params))
+    rows = {}
+    for name, step in steps_fns.items():
+        rows[name] = batch / _time(lambda step=step: step(*state, data, padding, jax.random.key(0)), steps)
+    return rows, (loss, optimizer, params)
+
+
+def dp_step_peak_bytes(loss: Any, optimizer: Any, params: Any, *, expected_batch: int, microbatch: int,
+                       clipping_method: str) -> int:
+    """Compiled peak bytes of a DP step on `expected_batch` examples, minus the batch inputs."""
+    from dpbert.privacy.dp_step import make_dp_train_step
+
+    step = make_dp_train_step(
+        loss, optimizer, clip_norm=1.0, noise_multiplier=1.0, expected_batch_size=expected_batch,
+        microbatch_size=microbatch, donate=True, clipping_method=clipping_method,
+    )
+    shape = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)  # noqa: E731
+    data = {k: jax.ShapeDtypeStruct((expected_batch,) + v.shape[1:], v.dtype) for k, v in _data(1).items()}
+    args = (
+        jax.tree_util.tree_map(shape, params), jax.tree_util.tree_map(shape, optimizer.init(params)),
+        data, jax.ShapeDtypeStruct((expected_batch,), jnp.bool_), jax.random.key(0),
+    )
+    stats = step.lower(*args).compile().memory_analysis()
+    batch_bytes = sum(int(np.prod(v.shape)) * v.dtype.itemsize for v in data.values()) + expected_batch
+    return int(stats.argument_size_in_bytes + stats.output_size_in_bytes + stats.temp_size_in_bytes
+               - stats.alias_size_in_bytes - batch_bytes)
+
+
+def _torch_rows(model: str, batch: int, steps: int) -> tuple[dict[str, float | str], int | None]:
+    try:
+        import torch
+        from transformers import BertForMaskedLM as TorchBert
+    except ImportError as err:
+        return {"torch non-private": f"skipped: {err}"}, None
+    threads = os.cpu_count() or 1  # XLA's CPU backend uses every core
+    torch.set_num_threads(threads)
+    torch.manual_seed(0)
+    np_data = _data(batch)
+    ids = torch.from_numpy(np_data["input_ids"]).long()
+    mask = torch.from_numpy(np_data["attention_mask"]).long()
+    labels = torch.full_like(ids, -100)
+    # Explicit per-example position and token-type ids: Opacus needs a batch axis on every input.
+    extra = {"position_ids": torch.arange(SEQ_LEN).expand(batch, SEQ_LEN).contiguous(),
+             "token_type_ids": torch.zeros_like(ids)}
+    pos = torch.from_numpy(np_data["masked_positions"]).long()
+    labels.scatter_(1, pos, torch.from_numpy(np_data["labels"]).long())
+
+    def timed(step: Callable[[], None]) -> float:
+        step()
+        best = float("inf")
+        for _ in range(steps):
+            start = time.perf_counter()
+            step()
+            best = min(best, time.perf_counter() - start)
+        return batch / best
+
+    rows: dict[str, float | str] = {}
+    net = TorchBert(bert_config(model)).train()
+    opt = torch.optim.SGD(net.parameters(), lr=1e-4)
+
+    def plain() -> None:
+        opt.zero_grad(set_to_none=True)
+        net(input_ids=ids, attention_mask=mask, labels=labels, **extra).loss.backward()
+        opt.step()
+
+    rows["torch non-private"] = timed(plain)
+    try:
+        import opacus  # noqa: F401
+    except ImportError as err:
+        rows["opacus DP"] = f"skipped: {err}"
+        return rows, threads
+    for mode in ("hooks", "ghost"):
+        rows[f"opacus DP ({mode})"] = _opacus_rate(model, mode, ids, mask, labels, extra, timed)
+    return rows, threads
+
+
+def _opacus_rate(model: str, mode: str, ids: Any, mask: Any, labels: Any, extra: dict, timed: Callable) -> float | str:
+    import torch
+    from opacus import PrivacyEngine
+    from transformers import BertForMaskedLM as TorchBert
+
+    try:
+        torch.manual_seed(0)
+        net = TorchBert(bert_config(model)).train()
+        # The head's `bias` is an alias of decoder.bias; as a bare parameter of the head module it
+        # sends Opacus to its functorch fallback, which fails on this torch. Same tensor, kept once.
+        if net.cls.predictions.bias is net.cls.predictions.decoder.bias:
+            del net.cls.predictions.bias
+        opt = torch.optim.SGD(net.parameters(), lr=1e-4)
+        loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(ids, mask, labels), batch_size=len(ids))
+        criterion = torch.nn.CrossEntropyLoss(reduction="mean")
+        engine = PrivacyEngine()
+        made = engine.make_private(
+            module=net, optimizer=opt, data_loader=loader, noise_multiplier=1.0, max_grad_norm=1.0,
+            poisson_sampling=False, grad_sample_mode=mode, criterion=criterion,
+        )
+        module, dp_opt = made[0], made[1]
+        vocab = net.config.vocab_size
+
+        def step() -> None:
+            dp_opt.zero_grad(set_to_none=True)
+            logits = module(input_ids=ids, attention_mask=mask, **extra).logits
+            flat = (logits.reshape(-1, vocab), labels.reshape(-1))
+            if mode == "ghost":
+                # Per-example mean over the masked tokens (ignore_index), as in dpbert's loss.
+                made[2](*flat, shape=labels.shape).backward()
+            else:
+                per_token = torch.nn.functional.cross_entropy(*flat, reduction="none").reshape(labels.shape)
+                per_example = per_token.sum(1) / (labels != -100).sum(1).clamp(min=1)
+                per_example.mean().backward()
+            dp_opt.step()
+
+        return timed(step)
+    except Exception as err:  # a peer mode that does not support BERT is reported, not fatal
+        return f"failed: {type(err).__name__}: {str(err).splitlines()[0][:120] if str(err) else ''}"
+
+
+def run_bench(*, model: str = "tiny", batch: int = 32, microbatch: int = 8, steps: int = 3,
+              bfloat16: bool = False, peers: bool = True, memory: bool = True) -> dict[str, Any]:
+    """Run the benchmark; returns the rows (examples/s or a reason) and the headline ratios."""
+    if batch < 1 or microbatch < 1 or batch % microbatch:
+        raise ValueError(f"batch ({batch}) must be a positive multiple of microbatch ({microbatch})")
+    if steps < 1:
+        raise ValueError(f"steps: expected >= 1, got {steps}")
+    dtype = jnp.bfloat16 if bfloat16 else jnp.float32
+    rows, (loss, optimizer, params) = _jax_rows(model, batch, microbatch, steps, dtype)
+    threads = None
+    if peers:
+        torch_rows, threads = _torch_rows(model, batch, steps)
+        rows.update(torch_rows)
+    nonprivate = rows["dpbert non-private"]
+    best_dp_name = max(("dpbert DP (vmap)", "dpbert DP (ghost)"), key=rows.get)
+    best_dp = rows[best_dp_name]
+    opacus = [v for k, v in rows.items() if k.startswith("opacus") and isinstance(v, float)]
+    torch_np = rows.get("torch non-private")
+    memory_ratio = None
+    peak = {}
+    if memory:
+        method = best_dp_name.split("(")[1].rstrip(")")
+        for n in (1024, 65536):
+            peak[n] = dp_step_peak_bytes(loss, optimizer, params, expected_batch=n, microbatch=microbatch,
+                                         clipping_method=method)
+        memory_ratio = peak[65536] / peak[1024]
+    dev = jax.devices()[0]
+    return {
+        "model": model, "layers_hidden_heads": MODELS[model], "vocab_size": VOCAB, "seq_len": SEQ_LEN,
+        "batch": batch, "microbatch": microbatch, "dtype": "bfloat16" if bfloat16 else "float32",
+        "backend": jax.default_backend(), "device": f"{dev.platform}:{dev.device_kind}",
+        "xla_cpu_threads": os.cpu_count(), "torch_threads": threads,
+        "examples_per_s": rows, "best_dp": best_dp_name,
+        "peak_bytes": {str(k): v for k, v in peak.items()},
+        "dp_over_nonprivate": best_dp / nonprivate,
+        "over_opacus": best_dp / max(opacus) if opacus else None,
+        "nonprivate_over_torch": nonprivate / torch_np if isinstance(torch_np, float) else None,
+        "memory_65536_over_1024": memory_ratio,
+    }
+
+
+def format_table(result: dict[str, Any]) -> str:
+    lines = [
+        f"dpbert bench: BERT {result['model']} {result['layers_hidden_heads']} (layers, hidden, heads), "
+        f"vocab {result['vocab_size']}, seq len {result['seq_len']}, batch {result['batch']}, "
+        f"micro-batch {result['microbatch']}, {result['dtype']}",
+        f"JAX backend {result['backend']}, device {result['device']}, XLA CPU threads {result['xla_cpu_threads']}, "
+        f"torch threads {result['torch_threads']}",
+        f"{'step':<26}{'examples/s':>12}",
+    ]
+    for name, value in result["examples_per_s"].items():
+        lines.append(f"{name:<26}{value:>12.1f}" if isinstance(value, float) else f"{name:<26}  {value}")
+    fmt = lambda v: "n/a" if v is None else f"{v:.3f}"  # noqa: E731
+    lines += [
+        f"best DP path: {result['best_dp']}",
+        f"DP / non-private (dpbert):      {fmt(result['dp_over_nonprivate'])}   (target >= 0.95)",
+        f"dpbert DP / best Opacus DP:     {fmt(result['over_opacus'])}   (target >= 2.5)",
+        f"dpbert / torch non-private:     {fmt(result['nonprivate_over_torch'])}   (target >= 1.0)",
+        f"peak memory 65,536 / 1,024:     {fmt(result['memory_65536_over_1024'])}   (target <= 1.10; "
+        + ", ".join(f"{k}: {v / 2**20:.1f} MiB" for k, v in result["peak_bytes"].items()) + ")",
+    ]
+    return "\n".join(lines)
+
+
+def bench_main(args: argparse.Namespace) -> int:
+    result = run_bench(model=args.model, batch=args.batch, microbatch=args.microbatch, steps=args.steps,
+                       bfloat16=args.bfloat16, peers=args.peers, memory=args.memory)
+    print(json.dumps(result) if args.json else format_table(result))
+    return 0
