@@ -118,3 +118,20 @@ def test_bad_clipping_method_is_named():
         clipped_sum_for("fast", lambda p, e, r: 0.0)
     with pytest.raises(ValueError, match="MLMGhostLoss"):
         clipped_sum_for("ghost", lambda p, e, r: 0.0)
+
+
+def test_auto_microbatch_size_is_largest_that_fits():
+    from dpbert.privacy.tuning import auto_microbatch_size, microbatch_peak_bytes
+
+    params = {"w": jnp.zeros((128, 128))}
+    example = {"x": jax.ShapeDtypeStruct((128,), jnp.float32)}
+
+    def loss(p, ex, rng):
+        return jnp.sum(jnp.tanh(ex["x"] @ p["w"]))
+
+    peaks = {m: microbatch_peak_bytes(loss, params, example, microbatch_size=m, clip_norm=1.0) for m in (4, 8)}
+    # Per-example gradients are materialised: 4 more examples cost at least 4 gradients (64 KiB each).
+    assert peaks[8] - peaks[4] >= 4 * 128 * 128 * 4
+    assert auto_microbatch_size(loss, params, example, memory_budget_bytes=peaks[4], clip_norm=1.0, max_size=64) == 4
+    with pytest.raises(ValueError, match="memory_budget_bytes"):
+        auto_microbatch_size(loss, params, example, memory_budget_bytes=16, clip_norm=1.0)
