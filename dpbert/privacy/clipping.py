@@ -118,7 +118,9 @@ def clipped_grad_sum(
             bshape = (microbatch_size,) + (1,) * (g.ndim - 1)
             # where() before multiplying: 0 * NaN would still be NaN.
             g = jnp.where(keep.reshape(bshape), g.astype(jnp.float32), 0.0)
-            return acc + jnp.sum(g * scale.reshape(bshape), axis=0)
+            # A contraction over the example axis, not a broadcast-multiply + reduce: XLA CPU
+            # runs the latter ~10x slower on large leaves such as a [M, V, H] embedding.
+            return acc + jnp.tensordot(scale, g, axes=1)
 
         total = jax.tree_util.tree_map(add, total, grads)
         f32 = jnp.float32

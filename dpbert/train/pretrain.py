@@ -70,6 +70,7 @@ from dpbert.privacy import (
     step_key,
 )
 from dpbert.privacy.accounting import MAX_TRUNCATION_DELTA_FRACTION
+from dpbert.privacy.ghost_clipping import MLMGhostLoss
 from dpbert.train.checkpoint import CheckpointStore
 from dpbert.train.metrics import MetricsLog, read_metrics, truncate_after
 from dpbert.train.recipe import Recipe, load_recipe, recipe_to_dict, save_recipe
@@ -152,6 +153,19 @@ def make_loss_fn(
         return jnp.sum(ce * w) / jnp.maximum(jnp.sum(w), 1.0)
 
     return loss_fn
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, eq=False)
+class MaskedMLMGhostLoss(MLMGhostLoss):
+    """`make_loss_fn`'s loss with layer taps, for ghost clipping: the same masking (keyed by
+    run key, step and store index) and the same forward, so the clipped sum is unchanged."""
+
+    masker: Callable[..., dict[str, jax.Array]]
+    run_key: jax.Array
+
+    def tapped(self, params: Any, example: dict[str, jax.Array], rng: jax.Array | None, z: dict | None):
+        x = self.masker(self.run_key, example["step"], example["index"], example["input_ids"])
+        return super().tapped(params, x, rng, z)
 
 
 def make_eval_fn(
@@ -430,7 +444,10 @@ def pretrain(
         pad_id=manifest.pad_id, mask_prob=recipe.data.mask_prob,
         num_predictions=max_predictions(manifest.seq_len, recipe.data.mask_prob),
     )
-    loss_fn = make_loss_fn(graphdef, masker, run_key)
+    if recipe.privacy.enabled and recipe.train.clipping != "vmap":
+        loss_fn = MaskedMLMGhostLoss(graphdef=graphdef, masker=masker, run_key=run_key)
+    else:
+        loss_fn = make_loss_fn(graphdef, masker, run_key)
     eval_fn = make_eval_fn(graphdef, masker)
 
     # --- privacy plan (refuses a schedule that would pass the target epsilon)
@@ -588,6 +605,7 @@ def _make_step(recipe: Recipe, loss_fn: Callable[..., Any], optimizer: optax.Gra
         return make_dp_train_step(
             loss_fn, optimizer, clip_norm=recipe.privacy.clip_norm, noise_multiplier=stage.noise_multiplier,
             expected_batch_size=stage.expected_batch_size, microbatch_size=recipe.train.microbatch_size,
+            clipping_method=recipe.train.clipping,
         )
     return make_train_step(loss_fn, optimizer, microbatch_size=recipe.train.microbatch_size)
 

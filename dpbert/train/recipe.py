@@ -206,7 +206,10 @@ class OptimizerConfig:
 class TrainConfig:
     """Loop settings. Cadences are in steps; 0 turns periodic evaluation off.
 
-    `microbatch_size` only trades memory for speed: results do not depend on it.
+    `microbatch_size` only trades memory for speed: results do not depend on it. `clipping`
+    picks how DP-SGD computes the per-example clipped sum: "ghost" (ghost norms and
+    book-keeping, no per-example gradients materialized), "vmap" (per-example gradients), or
+    "auto" (the faster, timed once per shape); all give the same sum, noise and accounting.
     `eval_batches` batches of `eval_batch_size` held-out examples, masked
     deterministically, are scored every `eval_every` steps and at the end.
     """
@@ -220,6 +223,7 @@ class TrainConfig:
     eval_batch_size: int = 64
     log_every: int = 1
     dtype: Literal["float32", "bfloat16"] = "float32"
+    clipping: Literal["ghost", "vmap", "auto"] = "ghost"
 
     def __post_init__(self) -> None:
         _check(self.seed >= 0, "seed", "an integer >= 0", self.seed)
