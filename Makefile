@@ -30,4 +30,4 @@ run: setup
 	$(VENV)/bin/dpbert pretrain recipes/tiny.yaml --output-dir runs/tiny --fill-mask
 
 test: setup-test browser
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n 2 --durations=15
