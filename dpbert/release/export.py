@@ -24,7 +24,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import tempfile
 import uuid
 from collections.abc import Mapping
 from pathlib import Path
@@ -32,6 +31,7 @@ from typing import Any, Protocol
 
 import yaml
 
+from dpbert.atomic import write_json, write_text
 from dpbert.release.card import CARD_FILE, CardInfo, render_card
 from dpbert.release.metadata import PRIVACY_FILE, Guarantee, ReleaseMetadata
 
@@ -49,18 +49,6 @@ _RELEASE_FILES = (CARD_FILE, PRIVACY_FILE)
 
 class SavesPretrained(Protocol):
     def save_pretrained(self, path: str | os.PathLike[str]) -> Any: ...
-
-
-def _write_text(path: Path, text: str) -> None:
-    """Write a file via a temporary sibling and rename, so a reader never sees half a file."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def _copy_model(model: str | os.PathLike[str] | SavesPretrained, dest: Path) -> None:
@@ -114,9 +102,9 @@ def write_release(
         config_path = tmp / "config.json"
         config = json.loads(config_path.read_text())
         config["differential_privacy"] = meta.config_copy()
-        _write_text(config_path, json.dumps(config, indent=2, sort_keys=True) + "\n")
-        _write_text(tmp / PRIVACY_FILE, json.dumps(meta.to_dict(), indent=2) + "\n")
-        _write_text(tmp / CARD_FILE, render_card(meta, info))
+        write_json(config_path, config)
+        write_json(tmp / PRIVACY_FILE, meta.to_dict(), sort_keys=False)
+        write_text(tmp / CARD_FILE, render_card(meta, info))
         if out.exists():
             old = out.parent / f".{out.name}.old-{uuid.uuid4().hex[:8]}"
             os.replace(out, old)

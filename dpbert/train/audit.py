@@ -43,6 +43,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dpbert.atomic import write_json
 from dpbert.privacy.accounting import PrivacyLedger
 from dpbert.privacy.audit import audit_scores
 from dpbert.privacy.canaries import (
@@ -178,13 +179,6 @@ def _base_store(recipe: Recipe, output_dir: Path) -> Path:
     return base
 
 
-def _write_json(path: Path, obj: Any) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    with os.fdopen(fd, "w") as f:
-        json.dump(obj, f, indent=2, sort_keys=True)
-    os.replace(tmp, path)
-
-
 def _report(kind: str, recipe_path: str, claimed: float, result: Any, score: str) -> AuditReport:
     return AuditReport(
         kind=kind, recipe=str(recipe_path), epsilon_claimed=claimed, delta=result.delta,
@@ -253,7 +247,7 @@ def run_audit(
         run_dir = out / "run"
         run_dir.mkdir(parents=True, exist_ok=True)
         # Marked before the first step, so even an interrupted audit run says what it is.
-        _write_json(run_dir / "AUDIT_RUN.json", {"audit": True, "kind": kind, "num_canaries": num_canaries,
+        write_json(run_dir / "AUDIT_RUN.json", {"audit": True, "kind": kind, "num_canaries": num_canaries,
                                                  "num_included": int(included.sum()), "store": str(store)})
         log(f"audit: {num_canaries} input canaries ({int(included.sum())} appended to the training set in {store})")
         run = pretrain(recipe_path, run_dir, overrides=[*overrides, f"data.store={store}"], progress=progress,
@@ -263,7 +257,7 @@ def run_audit(
         shutil.rmtree(run_dir / "release", ignore_errors=True)
         ledger_dict = json.loads((run_dir / "privacy.json").read_text())
         ledger = PrivacyLedger.from_dict(ledger_dict)
-        _write_json(run_dir / "privacy.json", {**ledger_dict, "audit": True})
+        write_json(run_dir / "privacy.json", {**ledger_dict, "audit": True})
         scores = pseudo_log_likelihood(run_dir / "hf", canaries, mask_id=manifest.mask_id)
         delta = ledger.delta + ledger.truncation_delta(float(run.epsilon))
         bound = audit_scores(scores, included, delta=min(delta, 1.0), confidence=confidence)
@@ -271,7 +265,7 @@ def run_audit(
         with open(run_dir / "metrics.jsonl", "a") as f:
             record = {**report.to_dict(), "kind": "audit", "canary_kind": kind, "step": run.steps_done}
             f.write(json.dumps(record, sort_keys=True) + "\n")
-    _write_json(out / "audit.json", report.to_dict())
+    write_json(out / "audit.json", report.to_dict())
     return report
 
 

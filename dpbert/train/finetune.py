@@ -62,6 +62,7 @@ import optax
 import yaml
 from flax import nnx
 
+from dpbert.atomic import write_json
 from dpbert.data import glue
 from dpbert.data.glue_metrics import compute_metrics, predictions_from_logits
 from dpbert.model import BertForSequenceClassification
@@ -305,20 +306,6 @@ def evaluate(
 # ----------------------------------------------------------------------------- outputs
 
 
-def _write_json(path: Path, obj: Any) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(obj, f, indent=2, sort_keys=False)
-            f.write("\n")
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-
-
 def _append_jsonl(path: Path, record: Mapping[str, Any]) -> None:
     with path.open("a") as f:
         f.write(json.dumps(record) + "\n")
@@ -339,7 +326,12 @@ class SourcePrivacy:
 def source_privacy(model_dir: Path, model: str) -> SourcePrivacy:
     """The source checkpoint's guarantees (its verified `privacy.json`), or, for a checkpoint
     without dpbert privacy metadata, one "pretraining" guarantee marked NOT private."""
-    from dpbert.release.metadata import PRIVACY_FILE, Guarantee, guarantees_from_json, read_privacy_json
+    from dpbert.release.metadata import (
+        PRIVACY_FILE,
+        Guarantee,
+        guarantees_from_json,
+        read_privacy_json,
+    )
 
     if not (model_dir / PRIVACY_FILE).is_file():
         # Nothing is known about how its pretraining data was used, so nothing is claimed.
@@ -696,7 +688,7 @@ def finetune(
             f"expected batch {plan.expected_batch_size} (q={plan.ledger.stages[0].sampling_rate:.4g}), "
             f"physical batch {plan.physical_batch_size}, {plan.steps} steps"
         )
-        _write_json(out / "privacy.json", plan.ledger.to_dict())
+        write_json(out / "privacy.json", plan.ledger.to_dict(), sort_keys=False)
         trainable, steps = _dp_train(forward, trainable, task, train, config, plan, run_key, evaluate_all)
         privacy = plan.summary()
     else:
@@ -722,7 +714,7 @@ def finetune(
         "config": dataclasses.asdict(config),
         "seconds": round(time.time() - started, 1),
     }
-    _write_json(out / "metrics.json", result)
+    write_json(out / "metrics.json", result, sort_keys=False)
     return result
 
 

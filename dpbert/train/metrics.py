@@ -22,6 +22,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from dpbert.atomic import write_text
+
 
 class MetricsLog:
     """Appends records to a JSONL file."""
@@ -56,10 +58,7 @@ def truncate_after(path: str | Path, step: int) -> None:
     if not path.exists():
         return
     kept = [r for r in read_metrics(path) if r.get("step", 0) <= step]
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    with os.fdopen(fd, "w") as f:
-        f.writelines(json.dumps(r, sort_keys=True) + "\n" for r in kept)
-    os.replace(tmp, path)
+    write_text(path, "".join(json.dumps(r, sort_keys=True) + "\n" for r in kept))
 
 
 def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:

@@ -52,6 +52,7 @@ import numpy as np
 import optax
 from flax import nnx
 
+from dpbert.atomic import write_json
 from dpbert.data.masking import example_mask_key, mask_tokens
 from dpbert.data.store import TokenStore, prepare_store
 from dpbert.data.tokenizer import load_tokenizer
@@ -72,7 +73,7 @@ from dpbert.privacy import (
 from dpbert.privacy.accounting import MAX_TRUNCATION_DELTA_FRACTION
 from dpbert.privacy.ghost_clipping import MLMGhostLoss
 from dpbert.train.checkpoint import CheckpointStore
-from dpbert.train.metrics import MetricsLog, read_metrics, truncate_after
+from dpbert.train.metrics import MetricsLog, truncate_after
 from dpbert.train.recipe import Recipe, load_recipe, recipe_to_dict, save_recipe
 from dpbert.train.state import TrainState, ledger_text
 
@@ -278,13 +279,6 @@ def _learning_rate(recipe: Recipe) -> optax.Schedule:
 
 def _fingerprint(obj: Any) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:16]
-
-
-def _write_json(path: Path, obj: Any) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    with os.fdopen(fd, "w") as f:
-        json.dump(obj, f, indent=2, sort_keys=True)
-    os.replace(tmp, path)
 
 
 class _StopFlag:
@@ -501,7 +495,7 @@ def pretrain(
     def save_checkpoint(state: TrainState) -> None:
         checkpoints.save(state, fingerprints)
         if plan.ledger is not None:
-            _write_json(run_dir / "privacy.json", state.ledger)
+            write_json(run_dir / "privacy.json", state.ledger)
 
     def run_eval(state: TrainState) -> dict[str, float]:
         result = evaluate(state.params, eval_fn, eval_store,

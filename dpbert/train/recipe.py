@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import tempfile
 import types
 import typing
 from collections.abc import Iterable, Mapping
@@ -33,6 +32,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
+
+from dpbert.atomic import write_text
 
 
 class RecipeError(ValueError):
@@ -445,14 +446,4 @@ def recipe_to_dict(recipe: Recipe) -> dict[str, Any]:
 
 def save_recipe(recipe: Recipe, path: str | os.PathLike[str]) -> None:
     """Write the resolved recipe as YAML, atomically (temp file in the same folder)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            yaml.safe_dump(recipe_to_dict(recipe), f, sort_keys=False)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    write_text(path, yaml.safe_dump(recipe_to_dict(recipe), sort_keys=False))

@@ -1,0 +1,39 @@
+"""Atomic file writes: a reader sees the old file or the new one, never half of one."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def write_text(path: str | os.PathLike[str], text: str) -> None:
+    """Write `text` to a temporary sibling of `path`, then rename it over `path`.
+
+    The file gets the usual permissions (0666 less the umask), not mkstemp's private 0600, so
+    released folders are readable like any other download. On any error nothing is left behind.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.chmod(tmp, 0o666 & ~_umask())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def write_json(path: str | os.PathLike[str], obj: Any, *, sort_keys: bool = True) -> None:
+    """`write_text` of `obj` as indented JSON with a final newline."""
+    write_text(path, json.dumps(obj, indent=2, sort_keys=sort_keys) + "\n")
