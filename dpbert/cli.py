@@ -24,6 +24,12 @@ def _add_pretrain(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a recipe field (repeatable)")
     p.add_argument("--resume", action="store_true", help="continue from the run folder's latest checkpoint")
     p.add_argument("--fill-mask", action="store_true", help="print fill-mask predictions for the recipe's sentences")
+    p.add_argument("--distributed", action="store_true", help="multi-host: start jax.distributed from the cluster's "
+                   "environment (Cloud TPU pods, SLURM, Open MPI); run the same command on every host")
+    p.add_argument("--coordinator-address", metavar="HOST:PORT", help="multi-host, explicit: process 0's address "
+                   "(with --num-processes and --process-id)")
+    p.add_argument("--num-processes", type=int, metavar="N", help="multi-host, explicit: number of processes")
+    p.add_argument("--process-id", type=int, metavar="I", help="multi-host, explicit: this process's index in [0, N)")
     p.add_argument("--compile-only", action="store_true", help="train nothing: compile the step at the recipe's full "
                    "shapes from abstract arrays and print per-device memory, FLOPs and the ESTIMATED time on the "
                    "recipe's target hardware")
@@ -280,6 +286,9 @@ def _add_audit(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--confidence", type=float, default=0.95, help="confidence of the lower bound (default 0.95)")
     p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a recipe field (repeatable)")
     p.add_argument("--json", action="store_true", help="print audit.json's object instead of a table")
+    p.add_argument("--card", metavar="RELEASE_DIR",
+                   help="also add the result to this release's privacy.json and model card (an audited figure: "
+                   "an empirical lower bound, not a guarantee)")
 
     def run(args: argparse.Namespace) -> int:
         from dpbert.train.audit import audit_main

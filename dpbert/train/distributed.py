@@ -20,6 +20,7 @@ checkpoints collectively from every process).
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import jax
@@ -27,7 +28,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from dpbert.privacy.sampling import PoissonBatch, poisson_sample
-from dpbert.train.mesh import batch_sharding
+from dpbert.train.mesh import batch_sharding, replicated
 
 
 def initialize(
@@ -69,13 +70,30 @@ def local_batch(
     *,
     expected_batch_size: int,
     physical_batch_size: int,
+    padded_batch_size: int | None = None,
 ) -> tuple[PoissonBatch, np.ndarray]:
     """This process's share of step `step`'s Poisson sample and its rows of `store`
-    (anything indexable by an index array, e.g. a `TokenStore`); only those rows are read."""
-    sample = poisson_sample(
-        run_key, step, len(store), expected_batch_size, physical_batch_size,
-        process_index=jax.process_index(), process_count=jax.process_count(),
-    )
+    (anything indexable by an index array, e.g. a `TokenStore`); only those rows are read.
+
+    The sample is truncated at `physical_batch_size` (the size the privacy ledger records),
+    then padded with padding rows (index 0, `is_padding` True) to `padded_batch_size`
+    (default: no padding), the rows the compiled step takes; the padded size must divide
+    evenly over the processes. Padding never changes which examples are sampled, so the
+    sample, the ledger and the update do not depend on the number of devices or processes."""
+    padded = physical_batch_size if padded_batch_size is None else padded_batch_size
+    count, index = jax.process_count(), jax.process_index()
+    if padded < physical_batch_size or padded % count:
+        raise ValueError(
+            f"padded_batch_size={padded} must be >= physical_batch_size={physical_batch_size} and "
+            f"divisible by the {count} processes"
+        )
+    full = poisson_sample(run_key, step, len(store), expected_batch_size, physical_batch_size)
+    indices = np.zeros(padded, dtype=full.indices.dtype)
+    indices[:physical_batch_size] = full.indices
+    is_padding = np.ones(padded, dtype=bool)
+    is_padding[:physical_batch_size] = full.is_padding
+    share = slice(index * (padded // count), (index + 1) * (padded // count))
+    sample = dataclasses.replace(full, indices=indices[share], is_padding=is_padding[share])
     return sample, np.asarray(store[sample.indices])
 
 
@@ -84,3 +102,44 @@ def global_array(local: Any, mesh: Mesh) -> Any:
     share) into global arrays split over the mesh's batch axes."""
     sharding = batch_sharding(mesh)
     return jax.tree_util.tree_map(lambda x: jax.make_array_from_process_local_data(sharding, np.asarray(x)), local)
+
+
+def replicate(local: Any, mesh: Mesh) -> Any:
+    """Host arrays that are the same on every process as global arrays replicated over `mesh`."""
+    sharding = replicated(mesh)
+    return jax.tree_util.tree_map(lambda x: from_host(x, sharding), local)
+
+
+def from_host(x: Any, sharding: Any) -> jax.Array:
+    """A global array with `sharding` from a host array whose full value every process holds;
+    each device receives only its shard."""
+    x = np.asarray(x)
+    return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
+
+
+def host_copy(tree: Any) -> Any:
+    """The full value of every (possibly sharded, multi-process) array of `tree` as numpy, on
+    every process. Collective: every process must call it."""
+    if jax.process_count() == 1:
+        return jax.device_get(tree)
+    from jax.experimental import multihost_utils
+
+    return multihost_utils.process_allgather(tree, tiled=True)
+
+
+def any_process(flag: bool) -> bool:
+    """True on every process when `flag` is true on at least one (collective; e.g. a SIGTERM
+    that reached only some hosts stops all of them at the same step)."""
+    if jax.process_count() == 1:
+        return flag
+    from jax.experimental import multihost_utils
+
+    return bool(np.any(multihost_utils.process_allgather(np.asarray(flag))))
+
+
+def barrier(name: str) -> None:
+    """Wait until every process reaches the barrier `name` (no-op with one process)."""
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices(name)

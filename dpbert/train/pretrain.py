@@ -24,6 +24,18 @@ Guarantees:
   realized batch (ordinary training; there is no privacy to protect). Its ledger in the
   checkpoint says non-private and no privacy.json is written.
 
+Devices and hosts: the step runs on the recipe's `data` x `fsdp` mesh over every device of
+every process (one device is the trivial mesh, same code). Parameters and optimizer state
+are created sharded (`jax.jit(..., out_shardings=...)` from `jax.eval_shape`; no full copy
+on one device) or restored by Orbax straight into those shardings. Each stage's compiled
+batch is its ledger's physical batch padded up to a multiple of devices x micro-batch; the
+padding rows are never sampled, so the sample, the ledger (which records the truncation
+size) and the update are the same on any number of devices and processes (float
+tolerance). Each process reads only its share of a step's rows (`distributed.local_batch`);
+only process 0 writes metrics.jsonl, privacy.json, recipe.yaml, hf/, release/ and prints;
+every process takes part in the Orbax checkpoint. With several processes, start
+`jax.distributed` first (`dpbert pretrain --coordinator-address ...` or `--distributed`).
+
 Masked positions: the MLM head decodes only `max_predictions` positions per example (the
 vocabulary projection dominates the cost). It is mean + 4 standard deviations of the
 number of selected tokens, so an example with more selected tokens (probability < 1e-4)
@@ -51,6 +63,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
+from jax.sharding import Mesh
 
 from dpbert.atomic import write_json
 from dpbert.data.masking import example_mask_key, mask_tokens
@@ -67,12 +80,14 @@ from dpbert.privacy import (
     make_dp_train_step,
     make_train_step,
     physical_batch_size,
-    poisson_sample,
     step_key,
 )
 from dpbert.privacy.accounting import MAX_TRUNCATION_DELTA_FRACTION
+from dpbert.privacy.dp_step import StepFn
 from dpbert.privacy.ghost_clipping import MLMGhostLoss
+from dpbert.train import distributed
 from dpbert.train.checkpoint import CheckpointStore
+from dpbert.train.mesh import batch_axes, make_mesh, state_shardings
 from dpbert.train.metrics import MetricsLog, truncate_after
 from dpbert.train.recipe import Recipe, load_recipe, recipe_to_dict, save_recipe
 from dpbert.train.state import TrainState, ledger_text
@@ -215,6 +230,30 @@ class Plan:
         return self._epsilons[steps]
 
 
+def ledger_physical_batch_sizes(recipe: Recipe, dataset_size: int) -> tuple[int, ...]:
+    """Each stage's physical batch as the ledger records it (the Poisson sample is truncated
+    there): a multiple of the micro-batch size whose overflow probability per step is small
+    enough. Private runs give truncation, whose (1 + e^eps) * P[overflow] adds to delta, half
+    of what the budget check allows, spread over all steps; non-private runs use the default
+    bound. Independent of the devices: `device_batch_size` pads it for the mesh."""
+    p, mb = recipe.privacy, recipe.train.microbatch_size
+    if not p.enabled:
+        return tuple(physical_batch_size(s.expected_batch_size, dataset_size, multiple=mb) for s in recipe.schedule)
+    eps_bound = p.target_epsilon if p.target_epsilon is not None else 50.0
+    per_step = 0.5 * MAX_TRUNCATION_DELTA_FRACTION * p.delta / ((1 + math.exp(min(eps_bound, 700.0))) * recipe.total_steps)
+    return tuple(
+        physical_batch_size(s.expected_batch_size, dataset_size, overflow_probability_bound=per_step, multiple=mb)
+        for s in recipe.schedule
+    )
+
+
+def device_batch_size(physical: int, devices: int, microbatch_size: int) -> int:
+    """Rows of the compiled step: `physical` rounded up to a multiple of devices x micro-batch
+    (the extra rows are padding, never sampled)."""
+    multiple = devices * microbatch_size
+    return -(-physical // multiple) * multiple
+
+
 def make_plan(recipe: Recipe, dataset_size: int) -> Plan:
     """Noise multipliers (fixed or calibrated), physical batches, and the budget check."""
     p = recipe.privacy
@@ -228,11 +267,8 @@ def make_plan(recipe: Recipe, dataset_size: int) -> Plan:
         Stage(steps=s.steps, expected_batch_size=s.expected_batch_size, noise_multiplier=p.noise_multiplier or 1.0)
         for s in recipe.schedule
     ))
-    mb = recipe.train.microbatch_size
+    physical = ledger_physical_batch_sizes(recipe, dataset_size)
     if not p.enabled:
-        physical = tuple(
-            physical_batch_size(s.expected_batch_size, dataset_size, multiple=mb) for s in base.stages
-        )
         return Plan(schedule=base.with_noise_multipliers([0.0] * len(base.stages)), physical_batch_sizes=physical,
                     ledger=None)
     if p.noise_multiplier is None:
@@ -242,20 +278,124 @@ def make_plan(recipe: Recipe, dataset_size: int) -> Plan:
         )
     else:
         schedule = base
-    # Truncation of an overflowing Poisson sample adds (1 + e^eps) * P[overflow] to delta; give
-    # it half of what the budget check allows, spread over all steps.
-    eps_bound = p.target_epsilon if p.target_epsilon is not None else 50.0
-    per_step = 0.5 * MAX_TRUNCATION_DELTA_FRACTION * p.delta / ((1 + math.exp(min(eps_bound, 700.0))) * schedule.total_steps)
-    physical = tuple(
-        physical_batch_size(s.expected_batch_size, dataset_size, overflow_probability_bound=per_step, multiple=mb)
-        for s in schedule.stages
-    )
     ledger = PrivacyLedger.for_schedule(
         schedule, dataset_size=dataset_size, delta=p.delta, clip_norm=p.clip_norm, accountant=p.accountant,
         physical_batch_sizes=list(physical), target_epsilon=p.target_epsilon,
     )
     ledger.check_budget()
     return Plan(schedule=schedule, physical_batch_sizes=physical, ledger=ledger)
+
+
+# ---------------------------------------------------------------------------- model, state and step
+
+
+def bert_config(recipe: Recipe, tokenizer_vocab_size: int | None = None) -> Any:
+    """The recipe's `transformers.BertConfig` (`init_from`'s own config when given);
+    `model.vocab_size: null` takes `tokenizer_vocab_size`."""
+    from transformers import BertConfig
+
+    m = recipe.model
+    if m.init_from is not None:
+        return BertConfig.from_pretrained(m.init_from)
+    if m.vocab_size is not None and tokenizer_vocab_size is not None and m.vocab_size < tokenizer_vocab_size:
+        raise ValueError(
+            f"recipe field 'model.vocab_size': {m.vocab_size} is smaller than the tokenizer's {tokenizer_vocab_size} tokens"
+        )
+    vocab_size = m.vocab_size or tokenizer_vocab_size
+    if vocab_size is None:
+        raise ValueError("recipe field 'model.vocab_size': needed here (null means the tokenizer's size, which is "
+                         "only known once the data is prepared)")
+    return BertConfig(
+        vocab_size=vocab_size, hidden_size=m.hidden_size, num_hidden_layers=m.num_hidden_layers,
+        num_attention_heads=m.num_attention_heads, intermediate_size=m.intermediate_size,
+        max_position_embeddings=m.max_position_embeddings or recipe.data.seq_len,
+        hidden_dropout_prob=m.hidden_dropout_prob, attention_probs_dropout_prob=m.attention_probs_dropout_prob,
+    )
+
+
+def make_optimizer(recipe: Recipe) -> optax.GradientTransformation:
+    o = recipe.optimizer
+    return default_optimizer(_learning_rate(recipe), weight_decay=o.weight_decay, b1=o.b1, b2=o.b2, eps=o.eps)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class AbstractState:
+    """Shapes, dtypes and shardings of a run's params and optimizer state on `mesh` (no arrays)."""
+
+    graphdef: nnx.GraphDef
+    params: Any  # ShapeDtypeStructs with their shardings
+    opt_state: Any
+    build: Callable[[], BertForMaskedLM]
+
+    @property
+    def shardings(self) -> tuple[Any, Any]:
+        """(params, opt_state) NamedSharding pytrees, as the step takes them."""
+        get = lambda tree: jax.tree_util.tree_map(lambda x: x.sharding, tree)
+        return get(self.params), get(self.opt_state)
+
+
+def abstract_state(recipe: Recipe, config: Any, optimizer: optax.GradientTransformation, mesh: Mesh
+                   ) -> AbstractState:
+    """The run's state as `jax.eval_shape` sees it, placed by `dpbert.train.mesh.state_shardings`."""
+    dtype = jnp.bfloat16 if recipe.train.dtype == "bfloat16" else jnp.float32
+
+    def build() -> BertForMaskedLM:
+        return BertForMaskedLM(config, rngs=nnx.Rngs(recipe.train.seed), dtype=dtype)
+
+    graphdef, params = functional.split_params(nnx.eval_shape(build))
+    opt_state = jax.eval_shape(optimizer.init, params)
+
+    def place(tree: Any) -> Any:
+        return jax.tree_util.tree_map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                                      tree, state_shardings(tree, mesh))
+
+    return AbstractState(graphdef=graphdef, params=place(params), opt_state=place(opt_state), build=build)
+
+
+def init_state(recipe: Recipe, abstract: AbstractState, optimizer: optax.GradientTransformation
+               ) -> tuple[Any, Any]:
+    """Fresh params (random init, or `model.init_from`'s weights) and optimizer state, created
+    directly in their shardings: each device computes or receives only its shards."""
+    params_sh, opt_sh = abstract.shardings
+    m = recipe.model
+    if m.init_from is None:
+        params = jax.jit(lambda: functional.split_params(abstract.build())[1], out_shardings=params_sh)()
+    else:
+        dtype = jnp.bfloat16 if recipe.train.dtype == "bfloat16" else jnp.float32
+        loaded = BertForMaskedLM.from_pretrained(
+            m.init_from, dtype=dtype, seed=recipe.train.seed,
+            hidden_dropout_prob=m.hidden_dropout_prob, attention_probs_dropout_prob=m.attention_probs_dropout_prob,
+        )
+        host = jax.device_get(functional.split_params(loaded)[1])
+        params = jax.tree_util.tree_map(distributed.from_host, host, params_sh)
+    return params, jax.jit(optimizer.init, out_shardings=opt_sh)(params)
+
+
+def make_mlm_loss(recipe: Recipe, graphdef: nnx.GraphDef, masker: Callable[..., dict[str, jax.Array]],
+                  run_key: jax.Array) -> Any:
+    """The per-example masked-LM loss the step clips: with layer taps (ghost clipping) unless
+    the run is non-private or `train.clipping` is "vmap"."""
+    if recipe.privacy.enabled and recipe.train.clipping != "vmap":
+        return MaskedMLMGhostLoss(graphdef=graphdef, masker=masker, run_key=run_key)
+    return make_loss_fn(graphdef, masker, run_key)
+
+
+def make_step(recipe: Recipe, loss_fn: Any, optimizer: optax.GradientTransformation, *, noise_multiplier: float,
+              expected_batch_size: int, mesh: Mesh, shardings: tuple[Any, Any]) -> StepFn:
+    """The jitted step of one schedule stage exactly as the trainer runs it (and as
+    `dpbert pretrain --compile-only` compiles it): batch split over all mesh axes, state in
+    `shardings`, params and optimizer state donated."""
+    common: dict[str, Any] = {"microbatch_size": recipe.train.microbatch_size, "mesh": mesh,
+                              "data_axis": batch_axes(mesh), "state_shardings": shardings}
+    if not recipe.privacy.enabled:
+        return make_train_step(loss_fn, optimizer, **common)
+    if recipe.train.clipping == "auto" and jax.process_count() > 1:
+        # "auto" times both methods on each host; hosts could pick different programs.
+        raise ValueError("recipe field 'train.clipping': 'auto' is single-process only; choose ghost or vmap")
+    return make_dp_train_step(
+        loss_fn, optimizer, clip_norm=recipe.privacy.clip_norm, noise_multiplier=noise_multiplier,
+        expected_batch_size=expected_batch_size, clipping_method=recipe.train.clipping, **common,
+    )
 
 
 # ---------------------------------------------------------------------------- helpers
@@ -303,36 +443,10 @@ class _StopFlag:
             signal.signal(signal.SIGTERM, self._previous)
 
 
-def _build_model(recipe: Recipe, vocab_size: int, dtype: Any) -> BertForMaskedLM:
-    m = recipe.model
-    if m.init_from is not None:
-        return BertForMaskedLM.from_pretrained(
-            m.init_from, dtype=dtype, seed=recipe.train.seed,
-            hidden_dropout_prob=m.hidden_dropout_prob, attention_probs_dropout_prob=m.attention_probs_dropout_prob,
-        )
-    from transformers import BertConfig
-
-    if m.vocab_size is not None and m.vocab_size < vocab_size:
-        raise ValueError(
-            f"recipe field 'model.vocab_size': {m.vocab_size} is smaller than the tokenizer's {vocab_size} tokens"
-        )
-    config = BertConfig(
-        vocab_size=m.vocab_size or vocab_size,
-        hidden_size=m.hidden_size,
-        num_hidden_layers=m.num_hidden_layers,
-        num_attention_heads=m.num_attention_heads,
-        intermediate_size=m.intermediate_size,
-        max_position_embeddings=m.max_position_embeddings or recipe.data.seq_len,
-        hidden_dropout_prob=m.hidden_dropout_prob,
-        attention_probs_dropout_prob=m.attention_probs_dropout_prob,
-    )
-    # One jitted initialisation instead of one small eager computation per parameter.
-    return nnx.jit(lambda: BertForMaskedLM(config, rngs=nnx.Rngs(recipe.train.seed), dtype=dtype))()
-
-
-def evaluate(params: Any, eval_fn: Callable[..., Any], store: TokenStore, *, batches: int, batch_size: int
-             ) -> dict[str, float]:
-    """Held-out MLM accuracy and loss on the first `batches * batch_size` eval examples."""
+def evaluate(params: Any, eval_fn: Callable[..., Any], store: TokenStore, *, batches: int, batch_size: int,
+             mesh: Mesh | None = None) -> dict[str, float]:
+    """Held-out MLM accuracy and loss on the first `batches * batch_size` eval examples (every
+    process reads the same rows; with `mesh`, they enter the computation replicated on it)."""
     n = min(len(store), batches * batch_size)
     if n == 0:
         raise ValueError(f"token store {store.path}: the eval split is empty; raise data.eval_fraction")
@@ -342,7 +456,8 @@ def evaluate(params: Any, eval_fn: Callable[..., Any], store: TokenStore, *, bat
         idx = np.arange(start, start + batch_size)
         valid = idx < n
         idx = np.where(valid, idx, 0)
-        out = eval_fn(params, jnp.asarray(idx), jnp.asarray(store[idx]), jnp.asarray(valid, jnp.float32))
+        args = (idx.astype(np.int32), np.asarray(store[idx], np.int32), valid.astype(np.float32))
+        out = eval_fn(params, *(distributed.replicate(args, mesh) if mesh is not None else map(jnp.asarray, args)))
         for k in totals:
             totals[k] += float(out[k])
     count = max(totals["count"], 1.0)
@@ -397,6 +512,9 @@ def pretrain(
 ) -> RunResult:
     """Run (or resume) the recipe in `output_dir`; see the module docstring for guarantees."""
     started = time.perf_counter()
+    primary = distributed.is_primary()
+    if not primary:
+        log = _silent
     recipe = load_recipe(recipe_path, overrides)
     run_dir = Path(output_dir)
     ckpt_dir = run_dir / "checkpoints"
@@ -409,11 +527,18 @@ def pretrain(
     # --- data
     store_dir = Path(recipe.data.store) if recipe.data.store else run_dir / "store"
     t0 = time.perf_counter()
-    manifest = prepare_store(
-        store_dir, corpus=recipe.data.corpus, tokenizer=recipe.data.tokenizer, seq_len=recipe.data.seq_len,
-        eval_fraction=recipe.data.eval_fraction, seed=recipe.data.split_seed,
-        train_vocab_size=recipe.data.train_vocab_size, num_proc=recipe.data.num_proc,
-    )
+
+    def prepare() -> Any:
+        return prepare_store(
+            store_dir, corpus=recipe.data.corpus, tokenizer=recipe.data.tokenizer, seq_len=recipe.data.seq_len,
+            eval_fraction=recipe.data.eval_fraction, seed=recipe.data.split_seed,
+            train_vocab_size=recipe.data.train_vocab_size, num_proc=recipe.data.num_proc,
+        )
+
+    # Process 0 builds the store (on storage every host sees); the others then find it ready.
+    manifest = prepare() if primary else None
+    distributed.barrier("dpbert pretrain: token store ready")
+    manifest = manifest or prepare()
     train_store = TokenStore.open(store_dir, "train")
     eval_store = TokenStore.open(store_dir, "eval")
     tokenizer = load_tokenizer(train_store.tokenizer_dir)
@@ -422,30 +547,30 @@ def pretrain(
         f"({manifest.source}; vocabulary {manifest.vocab_origin}, {manifest.vocab_size} tokens) "
         f"[{time.perf_counter() - t0:.0f} s]")
 
-    # --- model and optimizer
-    dtype = jnp.bfloat16 if recipe.train.dtype == "bfloat16" else jnp.float32
-    model = _build_model(recipe, manifest.vocab_size, dtype)
-    vocab_size = model.config.vocab_size
+    # --- devices, model and optimizer
+    mesh = make_mesh(data=recipe.mesh.data, fsdp=recipe.mesh.fsdp)
+    devices = mesh.devices.size
+    config = bert_config(recipe, manifest.vocab_size)
+    vocab_size = config.vocab_size
     recipe = dataclasses.replace(recipe, model=dataclasses.replace(recipe.model, vocab_size=vocab_size))
-    graphdef, params = functional.split_params(model)
-    optimizer = default_optimizer(
-        _learning_rate(recipe), weight_decay=recipe.optimizer.weight_decay,
-        b1=recipe.optimizer.b1, b2=recipe.optimizer.b2, eps=recipe.optimizer.eps,
-    )
+    optimizer = make_optimizer(recipe)
+    abstract = abstract_state(recipe, config, optimizer, mesh)
+    graphdef = abstract.graphdef
     run_key = jax.random.key(recipe.train.seed)
     masker = make_masker(
         vocab_size=vocab_size, mask_token_id=manifest.mask_id, special_token_ids=tuple(manifest.special_token_ids),
         pad_id=manifest.pad_id, mask_prob=recipe.data.mask_prob,
         num_predictions=max_predictions(manifest.seq_len, recipe.data.mask_prob),
     )
-    if recipe.privacy.enabled and recipe.train.clipping != "vmap":
-        loss_fn = MaskedMLMGhostLoss(graphdef=graphdef, masker=masker, run_key=run_key)
-    else:
-        loss_fn = make_loss_fn(graphdef, masker, run_key)
+    loss_fn = make_mlm_loss(recipe, graphdef, masker, run_key)
     eval_fn = make_eval_fn(graphdef, masker)
 
     # --- privacy plan (refuses a schedule that would pass the target epsilon)
     plan = make_plan(recipe, n_train)
+    mb = recipe.train.microbatch_size
+    device_batches = tuple(device_batch_size(b, devices, mb) for b in plan.physical_batch_sizes)
+    log(f"devices: mesh {' x '.join(f'{k}={v}' for k, v in mesh.shape.items())} over {jax.process_count()} "
+        f"process(es); compiled batch per stage {', '.join(map(str, device_batches))}")
     if plan.ledger is not None:
         sigmas = ", ".join(f"{s.noise_multiplier:.4g}" for s in plan.schedule.stages)
         log(f"privacy: DP-SGD, clip norm {recipe.privacy.clip_norm}, noise multiplier(s) {sigmas}, "
@@ -453,7 +578,7 @@ def pretrain(
     else:
         log("privacy: NOT private (baseline: no clipping, no noise)")
 
-    # --- state: fresh or restored
+    # --- state: restored into its shardings, or created in them
     fingerprints = {
         "model": _fingerprint(recipe_to_dict(recipe)["model"]),
         "data": manifest.tokenizer_fingerprint[:16] + f"/{n_train}/{manifest.seq_len}",
@@ -461,12 +586,12 @@ def pretrain(
         "seed": str(recipe.train.seed),
         "private": str(recipe.privacy.enabled),
     }
-    state = TrainState(params=params, opt_state=jax.jit(optimizer.init)(params), step=0,
-                       ledger_json=ledger_text(plan.ledger_after(0)))
     checkpoints = CheckpointStore(ckpt_dir, keep=recipe.train.keep_checkpoints)
     metrics_path = run_dir / "metrics.jsonl"
     if resume and checkpoints.latest_step() is not None:
-        state = checkpoints.restore(state, fingerprints)
+        like = TrainState(params=abstract.params, opt_state=abstract.opt_state, step=0,
+                          ledger_json=ledger_text(plan.ledger_after(0)))
+        state = checkpoints.restore(like, fingerprints)
         if state.step > recipe.total_steps:
             raise ValueError(
                 f"checkpoint at step {state.step} is past the recipe's {recipe.total_steps} steps; "
@@ -478,32 +603,37 @@ def pretrain(
                 "for the steps already taken (noise multiplier, batch sizes, delta or dataset changed); "
                 "a resumed run must replay the same steps"
             )
-        truncate_after(metrics_path, state.step)
+        if primary:
+            truncate_after(metrics_path, state.step)
         log(f"resumed from step {state.step}")
-    elif metrics_path.exists():
-        metrics_path.unlink()
-    save_recipe(recipe, run_dir / "recipe.yaml")
+    else:
+        params, opt_state = init_state(recipe, abstract, optimizer)
+        state = TrainState(params=params, opt_state=opt_state, step=0, ledger_json=ledger_text(plan.ledger_after(0)))
+        if primary and metrics_path.exists():
+            metrics_path.unlink()
+    if primary:
+        save_recipe(recipe, run_dir / "recipe.yaml")
 
     # --- loop
     step_fns: dict[int, Callable[..., Any]] = {}
-    metrics = MetricsLog(metrics_path)
+    metrics = MetricsLog(metrics_path) if primary else None
     total = recipe.total_steps
     stopped = False
     last_eval: dict[str, float] | None = None
-    bar = _progress_bar(total, state.step, enabled=progress)
+    bar = _progress_bar(total, state.step, enabled=progress and primary)
 
     def save_checkpoint(state: TrainState) -> None:
-        checkpoints.save(state, fingerprints)
-        if plan.ledger is not None:
+        checkpoints.save(state, fingerprints)  # collective: every process writes its shards
+        if primary and plan.ledger is not None:
             write_json(run_dir / "privacy.json", state.ledger)
 
     def run_eval(state: TrainState) -> dict[str, float]:
-        result = evaluate(state.params, eval_fn, eval_store,
-                          batches=recipe.train.eval_batches, batch_size=recipe.train.eval_batch_size)
-        metrics.write({"kind": "eval", "step": state.step, **result})
+        result = evaluate(state.params, eval_fn, eval_store, batches=recipe.train.eval_batches,
+                          batch_size=recipe.train.eval_batch_size, mesh=mesh)
+        if metrics is not None:
+            metrics.write({"kind": "eval", "step": state.step, **result})
         return {"step": state.step, **result}
 
-    params, opt_state = state.params, state.opt_state
     try:
         with _StopFlag() as flag:
             while state.step < total:
@@ -511,17 +641,24 @@ def pretrain(
                 pos = plan.schedule.stage_at(t)
                 stage = pos.stage
                 if pos.index not in step_fns:
-                    step_fns[pos.index] = _make_step(recipe, loss_fn, optimizer, stage)
+                    step_fns[pos.index] = make_step(
+                        recipe, loss_fn, optimizer, noise_multiplier=stage.noise_multiplier,
+                        expected_batch_size=stage.expected_batch_size, mesh=mesh, shardings=abstract.shardings,
+                    )
                 tick = time.perf_counter()
-                sample = poisson_sample(run_key, t, n_train, stage.expected_batch_size,
-                                        plan.physical_batch_sizes[pos.index])
-                batch = {
-                    "input_ids": jnp.asarray(train_store[sample.indices]),
-                    "index": jnp.asarray(sample.indices, jnp.int32),
-                    "step": jnp.full(sample.indices.shape, t, jnp.int32),
-                }
+                # This process's rows only; the ledger's truncation size, padded for the mesh.
+                sample, rows = distributed.local_batch(
+                    train_store, run_key, t, expected_batch_size=stage.expected_batch_size,
+                    physical_batch_size=plan.physical_batch_sizes[pos.index],
+                    padded_batch_size=device_batches[pos.index],
+                )
+                batch, is_padding = distributed.global_array(({
+                    "input_ids": rows.astype(np.int32),
+                    "index": sample.indices.astype(np.int32),
+                    "step": np.full(sample.indices.shape, t, np.int32),
+                }, sample.is_padding), mesh)
                 params, opt_state, out = step_fns[pos.index](
-                    state.params, state.opt_state, batch, jnp.asarray(sample.is_padding), step_key(run_key, t)
+                    state.params, state.opt_state, batch, is_padding, step_key(run_key, t)
                 )
                 loss = float(out["nonprivate/loss"])
                 if not math.isfinite(loss):
@@ -532,7 +669,7 @@ def pretrain(
                 state = state.replace(params=params, opt_state=opt_state, step=t + 1,
                                       ledger_json=ledger_text(plan.ledger_after(t + 1)))
                 elapsed = time.perf_counter() - tick
-                if state.step % recipe.train.log_every == 0 or state.step == total:
+                if metrics is not None and (state.step % recipe.train.log_every == 0 or state.step == total):
                     epsilon = plan.epsilon_after(state.step)
                     metrics.write({
                         "kind": "train", "step": state.step,
@@ -557,7 +694,8 @@ def pretrain(
                               f"loss {last_eval['eval_mlm_loss']:.3f}")
                 if state.step % recipe.train.checkpoint_every == 0 or state.step == total:
                     save_checkpoint(state)
-                if flag.stop and state.step < total:
+                # Every process stops at the same step, whichever of them got the signal.
+                if distributed.any_process(flag.stop) and state.step < total:
                     save_checkpoint(state)
                     stopped = True
                     bar.write(f"SIGTERM: checkpoint written at step {state.step} in {ckpt_dir}; "
@@ -568,7 +706,8 @@ def pretrain(
                 last_eval = run_eval(state)
     finally:
         bar.close()
-        metrics.close()
+        if metrics is not None:
+            metrics.close()
         checkpoints.close()
 
     # --- end of run
@@ -578,30 +717,28 @@ def pretrain(
         return RunResult(run_dir=run_dir, steps_done=state.step, total_steps=total, stopped_early=True,
                          epsilon=epsilon, delta=delta, eval_mlm_accuracy=None, eval_mlm_loss=None,
                          wall_time_s=time.perf_counter() - started)
-    _write_hf(functional.merge(graphdef, state.params), tokenizer, run_dir / "hf")
-    release = _export_release(run_dir, private=plan.ledger is not None)
-    filled = (
-        fill_mask(graphdef, state.params, tokenizer, recipe.report.fill_mask, recipe.report.top_k, manifest.seq_len)
-        if show_fill_mask else ()
-    )
+    host_params = distributed.host_copy(state.params)  # collective; then process 0 alone writes
+    filled: tuple[Any, ...] = ()
+    if primary:
+        _write_hf(functional.merge(graphdef, jax.tree_util.tree_map(jnp.asarray, host_params)), tokenizer,
+                  run_dir / "hf")
+        release = _export_release(run_dir, private=plan.ledger is not None)
+        if show_fill_mask:
+            filled = fill_mask(graphdef, host_params, tokenizer, recipe.report.fill_mask, recipe.report.top_k,
+                               manifest.seq_len)
+    distributed.barrier("dpbert pretrain: exports written")
     result = RunResult(
         run_dir=run_dir, steps_done=state.step, total_steps=total, stopped_early=False, epsilon=epsilon,
         delta=delta, eval_mlm_accuracy=last_eval["eval_mlm_accuracy"], eval_mlm_loss=last_eval["eval_mlm_loss"],
         wall_time_s=time.perf_counter() - started, fill_mask=filled,
     )
-    _report(result, release, log)
+    if primary:
+        _report(result, release, log)
     return result
 
 
-def _make_step(recipe: Recipe, loss_fn: Callable[..., Any], optimizer: optax.GradientTransformation,
-               stage: Stage) -> Callable[..., Any]:
-    if recipe.privacy.enabled:
-        return make_dp_train_step(
-            loss_fn, optimizer, clip_norm=recipe.privacy.clip_norm, noise_multiplier=stage.noise_multiplier,
-            expected_batch_size=stage.expected_batch_size, microbatch_size=recipe.train.microbatch_size,
-            clipping_method=recipe.train.clipping,
-        )
-    return make_train_step(loss_fn, optimizer, microbatch_size=recipe.train.microbatch_size)
+def _silent(_: str) -> None:
+    """The log of processes other than 0: they print nothing."""
 
 
 def _progress_bar(total: int, initial: int, *, enabled: bool) -> Any:
@@ -648,7 +785,18 @@ def _report(result: RunResult, release: Path, log: Callable[[str], None]) -> Non
 
 
 def pretrain_main(args: Any) -> int:
-    """`dpbert pretrain` entry point (argparse namespace from dpbert.cli)."""
+    """`dpbert pretrain` entry point (argparse namespace from dpbert.cli). Starts jax.distributed
+    first when asked: explicitly (--coordinator-address/--num-processes/--process-id) or
+    auto-detected from the cluster environment (--distributed)."""
+    explicit = {"coordinator_address": args.coordinator_address, "num_processes": args.num_processes,
+                "process_id": args.process_id}
+    if any(v is not None for v in explicit.values()):
+        if args.distributed:
+            raise ValueError("--distributed (auto-detect) and --coordinator-address/--num-processes/--process-id "
+                             "are alternatives; give one or the other")
+        distributed.initialize(**explicit)
+    elif args.distributed:
+        distributed.initialize()
     result = pretrain(
         args.recipe, args.output_dir, overrides=args.set or (), resume=args.resume, show_fill_mask=args.fill_mask,
     )
