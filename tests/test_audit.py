@@ -184,6 +184,11 @@ def audit_recipe(tmp_path_factory):
     }
     path = root / "audit.yaml"
     path.write_text(yaml.safe_dump(recipe))
+    from dpbert.data.store import prepare_store
+
+    d = recipe["data"]
+    prepare_store(root / "store", corpus=d["corpus"], tokenizer="train", seq_len=d["seq_len"],
+                  eval_fraction=d["eval_fraction"], seed=0, train_vocab_size=d["train_vocab_size"], num_proc=1)
     return path, root
 
 
@@ -250,3 +255,132 @@ def test_gradient_canary_audit_of_a_recipe_uses_its_privacy_plan(audit_recipe, t
     assert report["epsilon_claimed"] == pytest.approx(plan.ledger.epsilon(), rel=1e-9)
     assert 0.0 <= report["epsilon_lower_bound"] <= report["epsilon_claimed"]
     assert not (out / "run").exists()
+
+
+# ---------------------------------------------------------------- the audited figure on a release
+
+
+@pytest.fixture()
+def audited_release(audit_recipe, tmp_path):
+    """A real release of the audit recipe's privacy plan: a tiny BERT, the store's tokenizer, the ledger
+    the trainer would write for the recipe's own data (no canaries)."""
+    from transformers import BertConfig, BertForMaskedLM
+
+    from dpbert.data.store import TokenStore
+    from dpbert.release import CardInfo, Guarantee, ReleaseMetadata, write_release
+    from dpbert.train.pretrain import make_plan
+    from dpbert.train.recipe import load_recipe
+
+    recipe, root = audit_recipe
+    store = TokenStore.open(root / "store")
+    model = tmp_path / "hf"
+    BertForMaskedLM(BertConfig(vocab_size=store.manifest.vocab_size, hidden_size=32, num_hidden_layers=1,
+                               num_attention_heads=2, intermediate_size=64,
+                               max_position_embeddings=32)).save_pretrained(model)
+    ledger = make_plan(load_recipe(recipe, ["privacy.noise_multiplier=0.8"]), len(store)).ledger.to_dict()
+    meta = ReleaseMetadata(guarantees=(Guarantee.from_ledger(scope="pretraining", data="test corpus", ledger=ledger),),
+                           vocabulary_origin="trained on the test corpus", vocabulary_covered=False)
+    info = CardInfo(model_name="tiny-dp", architecture="BERT, 1 layer", reproduce_command="dpbert pretrain r.yaml",
+                    mlm_accuracy=0.25)
+    return write_release(tmp_path / "release", model=model, meta=meta, info=info,
+                         tokenizer_dir=root / "store" / "tokenizer")
+
+
+def test_audit_adds_a_labelled_lower_bound_to_a_release_that_still_verifies(audit_recipe, audited_release,
+                                                                             tmp_path, capsys):
+    import hashlib
+    import json
+
+    from huggingface_hub import ModelCard
+
+    from dpbert import cli
+    from dpbert.release import verify_folder
+    from dpbert.release.card import read_front_matter
+
+    recipe, _ = audit_recipe
+    release = audited_release
+    weights = hashlib.sha256((release / "model.safetensors").read_bytes()).hexdigest()
+    guarantees_before = json.loads((release / "privacy.json").read_text())["guarantees"]
+    card_before = (release / "README.md").read_text()
+    out = tmp_path / "grad"
+    # Few canaries: the audit run's dataset (144 sequences + the included canaries) stays close to the
+    # release's, as it does at any real scale.
+    assert cli.main(["audit", str(recipe), "--output-dir", str(out), "--canaries", "10", "--kind", "gradient",
+                     "--set", "privacy.noise_multiplier=0.8", "--card", str(release)]) == 0
+    assert "audited figure (gradient canaries" in capsys.readouterr().out
+    report = json.loads((out / "audit.json").read_text())
+
+    privacy = json.loads((release / "privacy.json").read_text())
+    assert privacy["guarantees"] == guarantees_before  # the guarantee itself is untouched
+    (figure,) = privacy["audits"]
+    for key in ("kind", "epsilon_claimed", "delta", "epsilon_lower_bound", "confidence", "num_canaries",
+                "num_guesses", "num_correct", "date", "recipe"):
+        assert figure[key] == report[key], key
+    assert figure["scope"] == "pretraining" and figure["kind"] == "gradient" and figure["num_canaries"] == 10
+    assert figure["epsilon_release"] == pytest.approx(guarantees_before[0]["epsilon"], rel=1e-12)
+    assert "lower bound" in figure["meaning"] and "not a privacy guarantee" in figure["meaning"]
+    assert figure["date"].endswith("+00:00")
+
+    card = (release / "README.md").read_text()
+    assert read_front_matter(release / "README.md")["differential_privacy"]["audits"] == [figure]
+    assert ModelCard.load(release / "README.md").data.to_dict()["differential_privacy"]["audits"] == [figure]
+    section = card[card.index("## Privacy audit") : card.index("## Evaluation")]
+    assert "(empirical lower bound, not a guarantee)" in section
+    assert "does **not** certify the guarantee" in section
+    assert f"| {figure['epsilon_lower_bound']:.4g} | 95% | {figure['num_guesses']} ({figure['num_correct']}) |" in section
+    # The rest of the body is as export wrote it.
+    assert card_before.split("## Privacy guarantee")[1].split("## Evaluation")[0] in card
+    assert card.split("## Evaluation")[1] == card_before.split("## Evaluation")[1]
+    assert hashlib.sha256((release / "model.safetensors").read_bytes()).hexdigest() == weights
+    assert verify_folder(release).ok
+    assert not [p for p in release.parent.iterdir() if p.name.startswith(".")]  # no temporaries left
+
+    # A newer audit of the same kind replaces the figure; the card keeps one section.
+    from dpbert.release.audited import add_audit
+
+    newer = {**report, "date": "2030-01-01T00:00:00+00:00"}
+    add_audit(release, newer)
+    (figure2,) = json.loads((release / "privacy.json").read_text())["audits"]
+    assert figure2["date"] == newer["date"]
+    card = (release / "README.md").read_text()
+    assert card.count("## Privacy audit") == 1 and "2030-01-01" in card and figure["date"] not in card
+    assert verify_folder(release).ok
+
+    # verify catches an edited audited figure in the card.
+    edited = card.replace(f"epsilon_lower_bound: {figure2['epsilon_lower_bound']!r}", "epsilon_lower_bound: 9.0")
+    assert edited != card
+    (release / "README.md").write_text(edited)
+    result = verify_folder(release)
+    assert not result.ok and any("audits" in p for p in result.problems)
+
+
+def test_audit_is_refused_for_another_privacy_plan_or_a_broken_release(audited_release, tmp_path):
+    import json
+
+    from dpbert.release.audited import add_audit
+
+    release = audited_release
+    epsilon = json.loads((release / "privacy.json").read_text())["guarantees"][0]["epsilon"]
+    report = {"audit": True, "kind": "gradient", "epsilon_claimed": epsilon, "delta": 1e-4,
+              "epsilon_lower_bound": 0.1, "confidence": 0.95, "num_canaries": 100, "num_guesses": 10,
+              "num_correct": 8, "date": "2026-01-01T00:00:00+00:00", "recipe": "r.yaml"}
+    before = {p.name: p.read_bytes() for p in release.iterdir()}
+    with pytest.raises(ValueError, match="different privacy plan"):
+        add_audit(release, {**report, "epsilon_claimed": 2 * epsilon})
+    with pytest.raises(ValueError, match="not a dpbert audit"):
+        add_audit(release, {**report, "audit": False})
+    with pytest.raises(ValueError, match="date"):
+        add_audit(release, {k: v for k, v in report.items() if k != "date"})
+    with pytest.raises(ValueError, match="scope"):
+        add_audit(release, report, scope="fine-tuning")
+    assert {p.name: p.read_bytes() for p in release.iterdir()} == before
+    # A release whose metadata does not verify gets no audited figure.
+    (release / "config.json").write_text(
+        (release / "config.json").read_text().replace(f'"epsilon": {epsilon}', '"epsilon": 0.5'))
+    with pytest.raises(ValueError, match="does not verify"):
+        add_audit(release, report)
+    assert "audits" not in json.loads((release / "privacy.json").read_text())
+    path = tmp_path / "audit.json"
+    path.write_text(json.dumps(report))
+    with pytest.raises(ValueError, match="does not verify"):
+        add_audit(release, path)

@@ -9,6 +9,10 @@ samples were truncated) and a `model-index` entry with the
 held-out masked-LM accuracy and any `CardInfo.model_index_results` (e.g. GLUE dev metrics). The body
 comes from a Jinja2 template. A release that is not private gets no `differential-privacy`/`dp-sgd`
 tags and says plainly that epsilon is infinity.
+
+`with_audits` adds empirical audit figures (`dpbert.release.audited`) to an existing card: a
+`differential_privacy.audits` list in the front matter and a section labelled as an empirical lower
+bound, not a guarantee (template `audit_section.md.j2`).
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +31,10 @@ from dpbert.release.metadata import ReleaseMetadata
 CARD_FILE = "README.md"
 DEFAULT_TEMPLATE = "bert_mlm.md.j2"
 DP_TAGS = ("differential-privacy", "dp-sgd")
+AUDIT_TEMPLATE = "audit_section.md.j2"
+AUDIT_BEGIN = "<!-- dpbert:audit -->"
+AUDIT_END = "<!-- /dpbert:audit -->"
+_EVALUATION = re.compile(r"^## Evaluation", re.MULTILINE)
 _FRONT_MATTER = re.compile(r"\A---\s*\n(.*?)\n---\s*(?:\n|\Z)", re.DOTALL)
 
 
@@ -113,8 +121,7 @@ def _format_number(value: Any) -> str:
     return str(value)
 
 
-def render_card(meta: ReleaseMetadata, info: CardInfo) -> str:
-    """README.md text: YAML front matter plus the body rendered from `model_cards/<info.template>`."""
+def _environment() -> Any:
     import jinja2
 
     env = jinja2.Environment(
@@ -125,8 +132,45 @@ def render_card(meta: ReleaseMetadata, info: CardInfo) -> str:
     )
     env.filters["num"] = _format_number
     env.filters["eps"] = lambda e: "infinity" if math.isinf(e) else f"{e:.4g}"
+    return env
+
+
+def render_card(meta: ReleaseMetadata, info: CardInfo) -> str:
+    """README.md text: YAML front matter plus the body rendered from `model_cards/<info.template>`."""
     matter = yaml.safe_dump(front_matter(meta, info), sort_keys=False, allow_unicode=True)
-    return env.get_template(info.template).render(front_matter=matter, meta=meta, info=info)
+    return _environment().get_template(info.template).render(front_matter=matter, meta=meta, info=info)
+
+
+def with_audits(card_text: str, audits: Sequence[Mapping[str, Any]], *, where: str = CARD_FILE) -> str:
+    """`card_text` with its audited figures replaced by `audits` (dicts of `AuditedFigure.to_dict()`).
+
+    The front matter gets `differential_privacy.audits` (the dicts as they are); the body gets the
+    section rendered from `model_cards/audit_section.md.j2` between `AUDIT_BEGIN`/`AUDIT_END`
+    markers, replacing an earlier one, else inserted before `## Evaluation` (else appended). The rest
+    of the body is kept as it is. With no audits, both are removed.
+    """
+    match = _FRONT_MATTER.match(card_text)
+    if match is None:
+        raise ValueError(f"{where}: no YAML front matter (expected the card to start with '---')")
+    data = yaml.safe_load(match.group(1))
+    block = data.get("differential_privacy") if isinstance(data, dict) else None
+    if not isinstance(block, dict):
+        raise ValueError(f"{where}: front matter has no 'differential_privacy' mapping to add the audit to")
+    if audits:
+        block["audits"] = [dict(a) for a in audits]
+    else:
+        block.pop("audits", None)
+    matter = yaml.safe_dump(data, sort_keys=False, allow_unicode=True)
+    body = card_text[match.end() :]
+    start, end = body.find(AUDIT_BEGIN), body.find(AUDIT_END)
+    if start >= 0 and end > start:
+        body = body[:start] + body[end + len(AUDIT_END) :].lstrip("\n")
+    if audits:
+        section = _environment().get_template(AUDIT_TEMPLATE).render(audits=list(audits))
+        section = f"{AUDIT_BEGIN}\n{section.rstrip()}\n{AUDIT_END}\n\n"
+        at = _EVALUATION.search(body)
+        body = body[: at.start()] + section + body[at.start() :] if at else body.rstrip("\n") + "\n\n" + section
+    return f"---\n{matter}---\n{body}"
 
 
 def read_front_matter(card_path: Path) -> dict[str, Any]:

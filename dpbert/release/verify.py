@@ -13,6 +13,8 @@ rate, noise multiplier and steps, at the ledger's delta, with the ledger's accou
 A guarantee without a ledger is non-private: epsilon must be infinity everywhere. The release-level
 `private` flag must equal "every guarantee is private" in all three files, and a non-private release
 must not carry the `differential-privacy`/`dp-sgd` tags. Missing metadata is a failure, named by file.
+Audited figures (empirical lower bounds, `dpbert.release.audited`) are not guarantees and are not
+recomputed, but the card's `differential_privacy.audits` must equal privacy.json's `audits`.
 """
 
 from __future__ import annotations
@@ -213,6 +215,12 @@ def verify_folder(folder: str | Path, *, rtol: float = DEFAULT_RTOL) -> Verifica
             problems += _compare_copy(
                 str(card_path), matter.get("differential_privacy"), checks, ledgers, rtol, strict_fields=True
             )
+            block = matter.get("differential_privacy")
+            card_audits = (block.get("audits") if isinstance(block, Mapping) else None) or []
+            if card_audits != (data.get("audits") or []):
+                problems.append(
+                    f"{card_path}: differential_privacy.audits differs from the audits in {privacy_path}"
+                )
             claimed = sorted(set(matter.get("tags") or ()) & set(DP_TAGS))
             if not private and claimed:
                 problems.append(f"{card_path}: a non-private release carries the tags {claimed}")

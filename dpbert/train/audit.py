@@ -17,7 +17,9 @@ Two kinds of canaries (Steinke, Nasr, Jagielski 2023; the bound is `dpbert.priva
 
 Outputs in OUTPUT_DIR: `audit.json` (`kind`, `epsilon_claimed`, `delta`,
 `epsilon_lower_bound`, `epsilon_lower_bound_max_over_k`, `confidence`, canary and guess
-counts, `audit: true`). An input audit also leaves `run/` (the pretraining run, marked: its
+counts, `date` (UTC, ISO 8601), `audit: true`). With `--card RELEASE_DIR` the result is also
+added to that release's privacy.json and model card as an audited figure, clearly labelled an
+empirical lower bound (`dpbert.release.audited.add_audit`; atomic, verified). An input audit also leaves `run/` (the pretraining run, marked: its
 `privacy.json` carries `audit: true` and so no longer parses as a releasable ledger, an
 `audit` record ends `metrics.jsonl`, its `release/` export is removed) and `store/` (the
 audit token store, whose manifest `source` names the canaries).
@@ -31,6 +33,7 @@ the run key.
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import json
 import os
 import shutil
@@ -78,6 +81,7 @@ class AuditReport:
     k_minus: int
     num_candidates: int
     score: str
+    date: str
     audit: bool = True
 
     def __post_init__(self) -> None:
@@ -187,6 +191,7 @@ def _report(kind: str, recipe_path: str, claimed: float, result: Any, score: str
         confidence=result.confidence, num_canaries=result.num_canaries, num_included=result.num_included,
         num_guesses=result.num_guesses, num_correct=result.num_correct, k_plus=result.k_plus,
         k_minus=result.k_minus, num_candidates=result.num_candidates, score=score,
+        date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
     )
 
 
@@ -280,6 +285,7 @@ def format_table(report: AuditReport) -> str:
          f"{report.epsilon_lower_bound:.4g} (Bonferroni over {report.num_candidates} guess counts)"),
         ("max over guess counts", f"{report.epsilon_lower_bound_max_over_k:.4g} (as the paper reports; uncorrected)"),
         ("score", report.score),
+        ("date (UTC)", report.date),
     ]
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
@@ -292,4 +298,11 @@ def audit_main(args: Any) -> int:
         confidence=args.confidence, progress=not args.json, log=(lambda s: None) if args.json else print,
     )
     print(json.dumps(report.to_dict(), indent=2, sort_keys=True) if args.json else format_table(report))
+    if args.card:
+        from dpbert.release.audited import add_audit
+
+        figure = add_audit(args.card, report.to_dict())
+        if not args.json:
+            print(f"audited figure ({figure.kind} canaries, lower bound {figure.epsilon_lower_bound:.4g}) added to "
+                  f"{args.card}/privacy.json and README.md")
     return 0

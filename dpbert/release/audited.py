@@ -1,0 +1,180 @@
+"""Audited figures on a release: a `dpbert audit` result added to its privacy.json and model card.
+
+An audited figure is an *empirical lower bound* on epsilon (`dpbert.privacy.audit`), measured on a
+separate, never-released audit run of the release's recipe. It is stored next to the guarantees,
+never in place of one: the guarantee is still the ledger's epsilon, and `dpbert verify` still
+recomputes it. `add_audit` writes
+
+- `privacy.json`: a top-level `audits` list of `AuditedFigure.to_dict()` (one per scope and canary
+  kind; a newer audit of the same scope and kind replaces the older one),
+- `README.md`: the same list as `differential_privacy.audits` in the front matter, and a section
+  "Privacy audit (empirical lower bound, not a guarantee)" (`dpbert.release.card.with_audits`).
+
+Guarantees: the release folder changes atomically (a hard-linked copy is edited in a temporary
+sibling, verified, then renamed into place; on any error the release is untouched); a release that
+does not verify before, or would not verify after, is refused; an audit is refused for a scope the
+release does not have, for a non-private guarantee (there is no claim to audit), and when the audit
+run's claimed epsilon is not within `EPSILON_RTOL` of the release's (a different privacy plan).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import shutil
+import uuid
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from dpbert.atomic import write_json, write_text
+from dpbert.release.card import CARD_FILE, with_audits
+from dpbert.release.metadata import PRIVACY_FILE, guarantees_from_json, read_privacy_json
+
+AUDITS_KEY = "audits"
+METHOD = "one-run audit (Steinke, Nasr, Jagielski 2023)"
+MEANING = "empirical lower bound on epsilon, valid at the stated confidence; not a privacy guarantee"
+KINDS = ("input", "gradient")
+# Canaries join the audit run's dataset, so its claimed epsilon differs slightly from the release's;
+# more than this means the audit measured a different privacy plan.
+EPSILON_RTOL = 0.1
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class AuditedFigure:
+    """One audit result as a release states it.
+
+    `epsilon_claimed` is the audit run's own claim at `delta` (the ledger delta plus any truncation
+    delta); `epsilon_release` the release guarantee's epsilon for `scope`; `epsilon_lower_bound`
+    holds with probability >= `confidence`. `date` is the audit's UTC time (ISO 8601).
+    """
+
+    scope: str
+    kind: str
+    epsilon_claimed: float
+    epsilon_release: float
+    delta: float
+    epsilon_lower_bound: float
+    confidence: float
+    num_canaries: int
+    num_guesses: int
+    num_correct: int
+    date: str
+    recipe: str
+    method: str = METHOD
+    meaning: str = MEANING
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"kind: expected one of {list(KINDS)}, got {self.kind!r}")
+        for name in ("epsilon_claimed", "epsilon_release", "epsilon_lower_bound"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int | float) or not 0 <= v < math.inf:
+                raise ValueError(f"{name}: expected a finite number >= 0, got {v!r}")
+        if not 0 < self.delta < 1:
+            raise ValueError(f"delta: expected a probability in (0, 1), got {self.delta!r}")
+        if not 0 < self.confidence < 1:
+            raise ValueError(f"confidence: expected a number in (0, 1), got {self.confidence!r}")
+        if not 0 <= self.num_correct <= self.num_guesses <= self.num_canaries:
+            raise ValueError(
+                "num_correct/num_guesses/num_canaries: expected 0 <= num_correct <= num_guesses <= "
+                f"num_canaries, got {self.num_correct}, {self.num_guesses}, {self.num_canaries}"
+            )
+        if not self.date:
+            raise ValueError("date: expected the audit's UTC time (ISO 8601), got an empty string")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def figure_from_report(report: Mapping[str, Any], *, epsilon_release: float, scope: str, where: str) -> AuditedFigure:
+    """An `AuditedFigure` from an audit.json object (`dpbert.train.audit.AuditReport.to_dict()`)."""
+    if report.get("audit") is not True:
+        raise ValueError(f"{where}: not a dpbert audit result (expected 'audit': true)")
+    missing = [k for k in ("kind", "epsilon_claimed", "delta", "epsilon_lower_bound", "confidence",
+                           "num_canaries", "num_guesses", "num_correct", "date", "recipe") if k not in report]
+    if missing:
+        raise ValueError(f"{where}: missing {', '.join(missing)} (rerun `dpbert audit` to write a complete audit.json)")
+    try:
+        return AuditedFigure(
+            scope=scope, kind=report["kind"], epsilon_claimed=float(report["epsilon_claimed"]),
+            epsilon_release=epsilon_release, delta=float(report["delta"]),
+            epsilon_lower_bound=float(report["epsilon_lower_bound"]), confidence=float(report["confidence"]),
+            num_canaries=int(report["num_canaries"]), num_guesses=int(report["num_guesses"]),
+            num_correct=int(report["num_correct"]), date=str(report["date"]), recipe=str(report["recipe"]),
+        )
+    except ValueError as err:
+        raise ValueError(f"{where}: {err}") from err
+
+
+def add_audit(
+    release_dir: str | os.PathLike[str],
+    report: Mapping[str, Any] | str | os.PathLike[str],
+    *,
+    scope: str = "pretraining",
+) -> AuditedFigure:
+    """Add an audit result (an audit.json path or its object) to the release at `release_dir` as an
+    audited figure for the guarantee `scope` (see the module docstring); returns the figure."""
+    from dpbert.release.verify import verify_folder
+
+    folder = Path(release_dir)
+    where = str(report) if isinstance(report, (str, os.PathLike)) else "audit result"
+    if isinstance(report, (str, os.PathLike)):
+        try:
+            report = json.loads(Path(report).read_text())
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{where}: not valid JSON ({err})") from err
+        if not isinstance(report, dict):
+            raise ValueError(f"{where}: expected a JSON object")
+    before = verify_folder(folder)
+    if not before.ok:
+        raise ValueError(f"{folder}: the release does not verify, so no audit is added to it:\n{before.summary()}")
+    data = read_privacy_json(folder)
+    guarantees = {g.scope: g for g in guarantees_from_json(data, str(folder / PRIVACY_FILE))}
+    if scope not in guarantees:
+        raise ValueError(f"scope: the release has guarantees for {sorted(guarantees)}, not {scope!r}")
+    guarantee = guarantees[scope]
+    if not guarantee.private:
+        raise ValueError(f"scope: the release's '{scope}' guarantee is not private (epsilon infinity): nothing to audit")
+    figure = figure_from_report(report, epsilon_release=guarantee.epsilon, scope=scope, where=where)
+    if not math.isclose(figure.epsilon_claimed, guarantee.epsilon, rel_tol=EPSILON_RTOL):
+        raise ValueError(
+            f"{where}: epsilon_claimed {figure.epsilon_claimed:.6g} is not within {EPSILON_RTOL:.0%} of the "
+            f"release's '{scope}' epsilon {guarantee.epsilon:.6g}: the audit ran a different privacy plan"
+        )
+    audits = [a for a in data.get(AUDITS_KEY) or () if (a.get("scope"), a.get("kind")) != (scope, figure.kind)]
+    audits.append(figure.to_dict())
+    _rewrite_atomically(folder, {**data, AUDITS_KEY: audits}, audits)
+    return figure
+
+
+def _rewrite_atomically(folder: Path, privacy: dict[str, Any], audits: list[dict[str, Any]]) -> None:
+    from dpbert.release.verify import verify_folder
+
+    tmp = folder.parent / f".{folder.name}.audit-{uuid.uuid4().hex[:8]}"
+    # Hard links: weights are not copied; the two files changed are replaced by rename, never
+    # written through a link, so the live release is untouched until the swap.
+    shutil.copytree(folder, tmp, copy_function=_link_or_copy)
+    try:
+        write_json(tmp / PRIVACY_FILE, privacy, sort_keys=False)
+        card = tmp / CARD_FILE
+        write_text(card, with_audits(card.read_text(encoding="utf-8"), audits, where=str(folder / CARD_FILE)))
+        after = verify_folder(tmp)
+        if not after.ok:
+            raise ValueError(f"{folder}: adding the audit would break verification:\n{after.summary()}")
+        old = folder.parent / f".{folder.name}.old-{uuid.uuid4().hex[:8]}"
+        os.replace(folder, old)
+        os.replace(tmp, folder)
+        shutil.rmtree(old)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _link_or_copy(src: str, dst: str) -> None:
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
