@@ -1,4 +1,4 @@
-"""Model cards (README.md) rendered from the templates in `model_cards/`.
+"""Model cards (README.md) rendered from the Jinja2 templates in `dpbert/release/templates/` (package data).
 
 The YAML front matter is built here as data (so it is always valid YAML that
 `huggingface_hub.ModelCard.load` parses): `library_name: transformers`, `pipeline_tag` (`fill-mask`
@@ -31,16 +31,12 @@ from dpbert.release.metadata import ReleaseMetadata
 CARD_FILE = "README.md"
 DEFAULT_TEMPLATE = "bert_mlm.md.j2"
 DP_TAGS = ("differential-privacy", "dp-sgd")
+TEMPLATES = "templates"  # package data folder of dpbert.release
 AUDIT_TEMPLATE = "audit_section.md.j2"
 AUDIT_BEGIN = "<!-- dpbert:audit -->"
 AUDIT_END = "<!-- /dpbert:audit -->"
 _EVALUATION = re.compile(r"^## Evaluation", re.MULTILINE)
 _FRONT_MATTER = re.compile(r"\A---\s*\n(.*?)\n---\s*(?:\n|\Z)", re.DOTALL)
-
-
-def templates_dir() -> Path:
-    """The `model_cards/` folder at the top of the dpbert source tree."""
-    return Path(__file__).resolve().parents[2] / "model_cards"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -125,7 +121,8 @@ def _environment() -> Any:
     import jinja2
 
     env = jinja2.Environment(
-        loader=jinja2.FileSystemLoader(templates_dir()),
+        # Package data, found through importlib.resources: works from a wheel, not only a checkout.
+        loader=jinja2.PackageLoader("dpbert.release", TEMPLATES),
         undefined=jinja2.StrictUndefined,
         keep_trailing_newline=True,
         autoescape=False,  # Markdown, not HTML
@@ -136,7 +133,7 @@ def _environment() -> Any:
 
 
 def render_card(meta: ReleaseMetadata, info: CardInfo) -> str:
-    """README.md text: YAML front matter plus the body rendered from `model_cards/<info.template>`."""
+    """README.md text: YAML front matter plus the body rendered from the template `info.template`."""
     matter = yaml.safe_dump(front_matter(meta, info), sort_keys=False, allow_unicode=True)
     return _environment().get_template(info.template).render(front_matter=matter, meta=meta, info=info)
 
@@ -145,7 +142,7 @@ def with_audits(card_text: str, audits: Sequence[Mapping[str, Any]], *, where: s
     """`card_text` with its audited figures replaced by `audits` (dicts of `AuditedFigure.to_dict()`).
 
     The front matter gets `differential_privacy.audits` (the dicts as they are); the body gets the
-    section rendered from `model_cards/audit_section.md.j2` between `AUDIT_BEGIN`/`AUDIT_END`
+    section rendered from the template `audit_section.md.j2` between `AUDIT_BEGIN`/`AUDIT_END`
     markers, replacing an earlier one, else inserted before `## Evaluation` (else appended). The rest
     of the body is kept as it is. With no audits, both are removed.
     """

@@ -11,7 +11,7 @@
 - `OUT/model/`: a dpbert release (`dpbert.release.write_release`) of the fine-tuned
   `BertForSequenceClassification` (Hugging Face names, loadable by transformers'
   `AutoModelForSequenceClassification` with the task's `id2label`), its tokenizer, and
-  `privacy.json` + model card (`model_cards/bert_glue.md.j2`, `pipeline_tag: text-classification`,
+  `privacy.json` + model card (`dpbert/release/templates/bert_glue.md.j2`, `pipeline_tag: text-classification`,
   `model-index` with the dev metrics) that `dpbert verify OUT/model` checks.
 
 Guarantees of the fine-tuned model, each for its own data, never composed:
