@@ -87,6 +87,32 @@ def test_both_paths_equal_per_example_grads_one_by_one(setup):
     assert float(jnp.abs(word).sum()) > 0 and "decoder" not in params["cls"]["predictions"]
 
 
+@pytest.mark.parametrize("layer_mode", ["ghost", "instantiate"])
+def test_every_layer_mode_equals_per_example_grads_one_by_one(setup, layer_mode):
+    loss, params, batch, is_padding, key, per_example = setup
+    # The default "mixed" mode is covered above; these force one mode on every dense kernel.
+    loss = MLMGhostLoss(graphdef=loss.graphdef, layer_mode=layer_mode)
+    clip_norm = float(np.median([float(optax.tree.norm(g)) for g in per_example]))
+    want = _reference(per_example, is_padding, clip_norm)
+    got, stats = jax.jit(
+        lambda p: ghost_clipped_grad_sum(loss, p, batch, is_padding, key, clip_norm=clip_norm, microbatch_size=MB)
+    )(params)
+    _assert_close(got, want)
+    assert float(stats.num_examples) == 5
+
+
+def test_mixed_mode_picks_the_cheaper_form_per_shape():
+    from dpbert.privacy.ghost_clipping import dense_layer_mode
+
+    # Long sequences: the per-example gradient (T d_in d_out) beats Gram matrices (T^2 (d_in + d_out)).
+    assert dense_layer_mode("mixed", 128, 768, 3072) == "instantiate"
+    # Few positions (the MLM head at P masked positions) and wide layers: ghost norms.
+    assert dense_layer_mode("mixed", 4, 1024, 4096) == "ghost"
+    assert dense_layer_mode("ghost", 128, 768, 3072) == "ghost"
+    with pytest.raises(ValueError, match="layer_mode"):
+        MLMGhostLoss(graphdef=nnx.graphdef(nnx.Linear(2, 2, rngs=nnx.Rngs(0))), layer_mode="fast")
+
+
 def test_ghost_drops_nonfinite_example_exactly(setup):
     loss, params, batch, is_padding, key, per_example = setup
     bad = dict(batch, label_weights=batch["label_weights"].at[4, 0].set(jnp.nan))

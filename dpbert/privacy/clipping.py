@@ -80,6 +80,61 @@ def _split_microbatches(tree: Any, num: int, size: int) -> Any:
     return jax.tree_util.tree_map(lambda x: x.reshape((num, size) + x.shape[1:]), tree)
 
 
+def example_keys(rng: jax.Array, position_offset: int | jax.Array, index: jax.Array, microbatch_size: int) -> jax.Array:
+    """Keys fold_in(rng, global position) of micro-batch `index`'s examples."""
+    positions = position_offset + index * microbatch_size + jnp.arange(microbatch_size)
+    return jax.vmap(lambda p: jax.random.fold_in(rng, p))(positions)
+
+
+def clip_scale(
+    stats: ClipStats, norms: jax.Array, losses: jax.Array, padding: jax.Array, clip_norm: float
+) -> tuple[jax.Array, jax.Array, ClipStats]:
+    """(keep [M], clip factor [M], updated stats) of one micro-batch from per-example norms.
+
+    keep = real and finite (loss and norm); factor = min(1, C / norm) for kept examples and
+    exactly 0 otherwise (a zero gradient's C / 0 = inf maps to 1). Both clipping paths use
+    this one rule, so they clip and count alike."""
+    finite = jnp.isfinite(norms) & jnp.isfinite(losses)
+    real = ~padding
+    keep = real & finite
+    scale = jnp.where(keep, jnp.minimum(1.0, clip_norm / norms), 0.0)
+    f32 = jnp.float32
+    stats = ClipStats(
+        num_examples=stats.num_examples + jnp.sum(real, dtype=f32),
+        num_clipped=stats.num_clipped + jnp.sum(keep & (norms > clip_norm), dtype=f32),
+        num_nonfinite=stats.num_nonfinite + jnp.sum(real & ~finite, dtype=f32),
+        loss_sum=stats.loss_sum + jnp.sum(jnp.where(keep, losses, 0.0), dtype=f32),
+    )
+    return keep, scale, stats
+
+
+def scan_microbatches(
+    one_microbatch: Callable[[Any, tuple[Any, jax.Array, jax.Array]], tuple[Any, None]],
+    init_total: Any,
+    batch: Any,
+    is_padding: jax.Array,
+    microbatch_size: int,
+) -> tuple[Any, ClipStats]:
+    """Scan `one_microbatch((total, stats), (examples, padding, index))` over the micro-batches,
+    from `init_total` and zero stats; a single micro-batch runs without a loop."""
+    num_micro = _check_batch(batch, is_padding, microbatch_size)
+    zero = _zero_like_batch(is_padding)
+    init_total = jax.tree_util.tree_map(lambda x: x + zero, init_total)
+    init = (init_total, ClipStats(num_examples=zero, num_clipped=zero, num_nonfinite=zero, loss_sum=zero))
+    xs = (
+        _split_microbatches(batch, num_micro, microbatch_size),
+        is_padding.reshape(num_micro, microbatch_size),
+        jnp.arange(num_micro),
+    )
+    if num_micro == 1:
+        return one_microbatch(init, jax.tree_util.tree_map(lambda x: x[0], xs))[0]
+    return jax.lax.scan(one_microbatch, init, xs)[0]
+
+
+def _zeros_f32(params: Any) -> Any:
+    return jax.tree_util.tree_map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+
+
 def clipped_grad_sum(
     loss_fn: LossFn,
     params: Any,
@@ -98,21 +153,16 @@ def clipped_grad_sum(
     """
     if not clip_norm > 0:
         raise ValueError(f"clip_norm must be > 0, got {clip_norm!r}")
-    num_micro = _check_batch(batch, is_padding, microbatch_size)
+    _check_batch(batch, is_padding, microbatch_size)
     value_and_grad = jax.vmap(jax.value_and_grad(loss_fn), in_axes=(None, 0, 0))
 
     def one_microbatch(carry: tuple[Any, ClipStats], xs: tuple[Any, jax.Array, jax.Array]):
         total, stats = carry
         examples, padding, index = xs
-        positions = position_offset + index * microbatch_size + jnp.arange(microbatch_size)
-        keys = jax.vmap(lambda p: jax.random.fold_in(rng, p))(positions)
+        keys = example_keys(rng, position_offset, index, microbatch_size)
         losses, grads = value_and_grad(params, examples, keys)
         norms = jax.vmap(_global_norm)(grads)
-        finite = jnp.isfinite(norms) & jnp.isfinite(losses)
-        real = ~padding
-        keep = real & finite
-        # C / norm is inf for a zero gradient; min(1, .) maps it to 1.
-        scale = jnp.where(keep, jnp.minimum(1.0, clip_norm / norms), 0.0)
+        keep, scale, stats = clip_scale(stats, norms, losses, padding, clip_norm)
 
         def add(acc: jax.Array, g: jax.Array) -> jax.Array:
             bshape = (microbatch_size,) + (1,) * (g.ndim - 1)
@@ -122,26 +172,9 @@ def clipped_grad_sum(
             # runs the latter ~10x slower on large leaves such as a [M, V, H] embedding.
             return acc + jnp.tensordot(scale, g, axes=1)
 
-        total = jax.tree_util.tree_map(add, total, grads)
-        f32 = jnp.float32
-        stats = ClipStats(
-            num_examples=stats.num_examples + jnp.sum(real, dtype=f32),
-            num_clipped=stats.num_clipped + jnp.sum(keep & (norms > clip_norm), dtype=f32),
-            num_nonfinite=stats.num_nonfinite + jnp.sum(real & ~finite, dtype=f32),
-            loss_sum=stats.loss_sum + jnp.sum(jnp.where(keep, losses, 0.0), dtype=f32),
-        )
-        return (total, stats), None
+        return (jax.tree_util.tree_map(add, total, grads), stats), None
 
-    zero = _zero_like_batch(is_padding)
-    zeros = jax.tree_util.tree_map(lambda p: jnp.zeros(p.shape, jnp.float32) + zero, params)
-    init = (zeros, ClipStats(num_examples=zero, num_clipped=zero, num_nonfinite=zero, loss_sum=zero))
-    xs = (
-        _split_microbatches(batch, num_micro, microbatch_size),
-        is_padding.reshape(num_micro, microbatch_size),
-        jnp.arange(num_micro),
-    )
-    (total, stats), _ = jax.lax.scan(one_microbatch, init, xs)
-    return total, stats
+    return scan_microbatches(one_microbatch, _zeros_f32(params), batch, is_padding, microbatch_size)
 
 
 def grad_sum(
@@ -155,36 +188,26 @@ def grad_sum(
     position_offset: int | jax.Array = 0,
 ) -> tuple[Any, ClipStats]:
     """Non-private counterpart: gradient of the summed loss of real examples, no per-example
-    gradients and no clipping (the cost of ordinary training). Same keys per example as
-    `clipped_grad_sum`; `num_clipped` and `num_nonfinite` are zero."""
-    num_micro = _check_batch(batch, is_padding, microbatch_size)
+    gradients and no clipping (the cost of ordinary training: one batched forward and backward
+    per micro-batch, and no loop when microbatch_size is the whole batch). Same keys per
+    example as `clipped_grad_sum`; `num_clipped` and `num_nonfinite` are zero."""
     per_example_loss = jax.vmap(loss_fn, in_axes=(None, 0, 0))
 
-    def one_microbatch(carry: tuple[Any, jax.Array], xs: tuple[Any, jax.Array, jax.Array]):
-        total, loss_total = carry
+    def one_microbatch(carry: tuple[Any, ClipStats], xs: tuple[Any, jax.Array, jax.Array]):
+        total, stats = carry
         examples, padding, index = xs
-        positions = position_offset + index * microbatch_size + jnp.arange(microbatch_size)
-        keys = jax.vmap(lambda p: jax.random.fold_in(rng, p))(positions)
+        keys = example_keys(rng, position_offset, index, microbatch_size)
 
         def summed(p: Any) -> jax.Array:
             return jnp.sum(jnp.where(padding, 0.0, per_example_loss(p, examples, keys)))
 
         loss, grads = jax.value_and_grad(summed)(params)
         total = jax.tree_util.tree_map(lambda a, g: a + g.astype(jnp.float32), total, grads)
-        return (total, loss_total + loss.astype(jnp.float32)), None
+        stats = dataclasses.replace(
+            stats,
+            num_examples=stats.num_examples + jnp.sum(~padding, dtype=jnp.float32),
+            loss_sum=stats.loss_sum + loss.astype(jnp.float32),
+        )
+        return (total, stats), None
 
-    zero = _zero_like_batch(is_padding)
-    zeros = jax.tree_util.tree_map(lambda p: jnp.zeros(p.shape, jnp.float32) + zero, params)
-    xs = (
-        _split_microbatches(batch, num_micro, microbatch_size),
-        is_padding.reshape(num_micro, microbatch_size),
-        jnp.arange(num_micro),
-    )
-    (total, loss_sum), _ = jax.lax.scan(one_microbatch, (zeros, zero), xs)
-    stats = ClipStats(
-        num_examples=jnp.sum(~is_padding, dtype=jnp.float32),
-        num_clipped=zero,
-        num_nonfinite=zero,
-        loss_sum=loss_sum,
-    )
-    return total, stats
+    return scan_microbatches(one_microbatch, _zeros_f32(params), batch, is_padding, microbatch_size)

@@ -7,9 +7,12 @@ zero tensor `z` is added to each layer output and d loss / d z is the output gra
 
 - the squared per-example norm of a dense kernel is ||a^T g||_F^2, computed either as
   sum_{t,s} (a_t . a_s)(g_t . g_s) (the "ghost" norm, T^2 (d_in + d_out) flops) or from
-  a^T g itself (T d_in d_out flops), whichever is cheaper for that layer's shape;
+  the per-example gradient a^T g itself (T d_in d_out flops), chosen statically per layer
+  shape (`dense_layer_mode`: "mixed" ghost clipping, Bu et al. 2022);
 - the clipped sum is sum_i w_i a_i^T g_i with w_i = min(1, C / ||grad_i||), one einsum per
-  layer ("book-keeping", Bu et al. 2023): no second backward pass and no [M, params] tensor.
+  layer, or a contraction of the instantiated per-example gradients with w ("book-keeping",
+  Bu et al. 2023): no second backward pass, and no [M, params] tensor beyond the layers that
+  are instantiated (their per-micro-batch memory is M d_in d_out floats each).
 
 `MLMGhostLoss` is the BERT-aware part: a per-example masked-LM loss for a dpbert
 `BertForMaskedLM` that covers EVERY parameter (dense kernels and biases, LayerNorm scale and
@@ -45,7 +48,7 @@ from flax import nnx
 from dpbert.model import bert as bert_lib
 from dpbert.model.bert import BertForMaskedLM
 from dpbert.model.functional import merge
-from dpbert.privacy.clipping import ClipStats, _check_batch, _split_microbatches, _zero_like_batch
+from dpbert.privacy.clipping import ClipStats, clip_scale, example_keys, scan_microbatches
 from dpbert.privacy.clipping import clipped_grad_sum as clipped_grad_sum_vmap
 
 Path = tuple[Any, ...]
@@ -148,7 +151,9 @@ def _tapped_mlm_forward(model: BertForMaskedLM, example: dict[str, jax.Array], r
 
 # ---------------------------------------------------------------------------- per-layer algebra
 # Every function below takes float32 taps of a micro-batch of M examples: inputs `a` [M, T, d_in]
-# and output gradients `g` [M, T, d_out], already zeroed for examples that are not kept.
+# and output gradients `g` [M, T, d_out].
+
+LAYER_MODES = ("mixed", "ghost", "instantiate")
 
 
 def _flat(x: jax.Array) -> jax.Array:
@@ -156,16 +161,40 @@ def _flat(x: jax.Array) -> jax.Array:
     return x.reshape(x.shape[0], -1, x.shape[-1]).astype(_F32)
 
 
-def _outer_sq_norm(a: jax.Array, g: jax.Array) -> jax.Array:
-    """||a_i^T g_i||_F^2 per example, by the cheaper of the ghost and the direct form."""
-    t, d_in, d_out = a.shape[1], a.shape[2], g.shape[2]
-    if t * (d_in + d_out) < d_in * d_out:
-        return jnp.sum(jnp.einsum("mtd,msd->mts", a, a) * jnp.einsum("mtd,msd->mts", g, g), axis=(1, 2))
-    return jnp.sum(jnp.square(jnp.einsum("mti,mto->mio", a, g)), axis=(1, 2))
+def dense_layer_mode(layer_mode: str, t: int, d_in: int, d_out: int) -> str:
+    """How a dense kernel's per-example norm and clipped sum are computed (static, per shape).
+
+    "ghost": norm from the Gram matrices, sum_{t,s} (a_t . a_s)(g_t . g_s) (T^2 (d_in + d_out)
+    flops per example), then the clipped sum as one weighted einsum (T d_in d_out, the cost of
+    the non-private weight gradient). "instantiate": the per-example gradient a_i^T g_i
+    (T d_in d_out per example: the non-private weight gradient's flops, once), whose norm and
+    clip-weighted sum over examples are then passes of M d_in d_out. "mixed" takes, per layer,
+    the one with fewer extra flops over the non-private weight gradient: instantiate when
+    2 d_in d_out <= T^2 (d_in + d_out) (Bu et al., mixed ghost clipping)."""
+    if layer_mode != "mixed":
+        return layer_mode
+    return "instantiate" if 2 * d_in * d_out <= t * t * (d_in + d_out) else "ghost"
+
+
+def _ghost_sq_norm(a: jax.Array, g: jax.Array) -> jax.Array:
+    """||a_i^T g_i||_F^2 per example from the Gram matrices of a and g."""
+    return jnp.sum(jnp.einsum("mtd,msd->mts", a, a) * jnp.einsum("mtd,msd->mts", g, g), axis=(1, 2))
+
+
+def _weighted_outer(a: jax.Array, g: jax.Array, w: jax.Array) -> jax.Array:
+    """sum_i w_i a_i^T g_i [d_in, d_out]; w multiplies the smaller operand (fewer bytes moved)."""
+    if a.shape[2] <= g.shape[2]:
+        return jnp.einsum("mti,mto->io", a * w[:, None, None], g)
+    return jnp.einsum("mti,mto->io", a, g * w[:, None, None])
 
 
 def _sq(x: jax.Array) -> jax.Array:
     return jnp.sum(jnp.square(x), axis=tuple(range(1, x.ndim)))
+
+
+def _where_kept(keep: jax.Array, x: jax.Array) -> jax.Array:
+    """x with the rows of dropped examples set to exactly 0 (0 * NaN would still be NaN)."""
+    return jnp.where(keep.reshape((-1,) + (1,) * (x.ndim - 1)), x, jnp.zeros((), x.dtype))
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -175,17 +204,22 @@ class MLMGhostLoss:
     `example` holds `input_ids` [L], `masked_positions` [P], `labels` [P], `label_weights` [P]
     and optionally `attention_mask` [L] and `token_type_ids` [L] (zeros when absent).
     `loss_from_logits(logits [P, V], example) -> scalar` defaults to the weighted mean
-    cross-entropy. Call it as a plain `loss_fn(params, example, rng)`.
+    cross-entropy. `layer_mode` ("mixed", "ghost" or "instantiate", see `dense_layer_mode`)
+    picks how each dense kernel is clipped: speed and memory only, the result is the same.
+    Call it as a plain `loss_fn(params, example, rng)`.
     """
 
     graphdef: nnx.GraphDef
     loss_from_logits: Callable[[jax.Array, dict[str, jax.Array]], jax.Array] = mlm_loss_from_logits
+    layer_mode: str = "mixed"
 
     def __post_init__(self) -> None:
         if not isinstance(self.graphdef, nnx.GraphDef):
             raise ValueError(f"graphdef: expected an nnx.GraphDef, got {type(self.graphdef).__name__}")
         if not callable(self.loss_from_logits):
             raise ValueError("loss_from_logits: expected a callable (logits, example) -> scalar")
+        if self.layer_mode not in LAYER_MODES:
+            raise ValueError(f"layer_mode: expected one of {LAYER_MODES}, got {self.layer_mode!r}")
 
     def __call__(self, params: Any, example: dict[str, jax.Array], rng: jax.Array) -> jax.Array:
         return self.tapped(params, example, rng, None)[0]
@@ -199,18 +233,26 @@ class MLMGhostLoss:
         logits = _tapped_mlm_forward(model, example, rng, tape)
         return self.loss_from_logits(logits, example), tape.inputs, tape.outputs
 
-    def sq_norms(self, params: Any, inputs: dict[str, Any], grads: dict[str, jax.Array]) -> jax.Array:
-        """Squared norm [M] of each example's whole gradient, from tap inputs and output grads."""
+    def sq_norms(
+        self, params: Any, inputs: dict[str, Any], grads: dict[str, jax.Array]
+    ) -> tuple[jax.Array, dict[str, jax.Array]]:
+        """(squared norm [M] of each example's whole gradient, the per-example kernel gradients
+        [M, d_in, d_out] of the layers clipped by instantiation, keyed by tap name)."""
         total = 0.0
+        instantiated: dict[str, jax.Array] = {}
         for name, g in grads.items():
             if name in ("embeddings", "logits"):
                 continue
             a, g = _flat(inputs[name]), _flat(g)
+            total += _sq(jnp.sum(g, axis=1))  # bias
             if name.endswith("LayerNorm"):
-                total += _sq(jnp.sum(g * a, axis=1)) + _sq(jnp.sum(g, axis=1))
+                total += _sq(jnp.sum(g * a, axis=1))
+            elif dense_layer_mode(self.layer_mode, a.shape[1], a.shape[2], g.shape[2]) == "instantiate":
+                instantiated[name] = jnp.einsum("mti,mto->mio", a, g)
+                total += _sq(instantiated[name])
             else:
-                total += _outer_sq_norm(a, g) + _sq(jnp.sum(g, axis=1))
-        return total + self._embedding_sq_norms(params, inputs, grads)
+                total += _ghost_sq_norm(a, g)
+        return total + self._embedding_sq_norms(params, inputs, grads), instantiated
 
     def _embedding_sq_norms(self, params: Any, inputs: dict[str, Any], grads: dict[str, jax.Array]) -> jax.Array:
         ids = inputs["embeddings"]["ids"].reshape(grads["embeddings"].shape[0], -1)
@@ -225,7 +267,9 @@ class MLMGhostLoss:
         total += _sq(jnp.sum(e, axis=1))  # MLM bias
         same = (ids[:, :, None] == ids[:, None, :]).astype(_F32)  # tokens sharing a table row
         word_in = jnp.sum(same * jnp.einsum("mth,msh->mts", g, g), axis=(1, 2))
-        decoder = _outer_sq_norm(x, e)
+        # The decoder decodes only the P masked positions: its ghost norm (P^2 (H + V)) is far
+        # cheaper than a [V, H] gradient per example.
+        decoder = _ghost_sq_norm(x, e)
         if self._tied(params):
             e_at_ids = jnp.take_along_axis(e, ids[:, None, :], axis=2)  # [M, P, L]: e_p[id_t]
             cross = jnp.sum(e_at_ids * jnp.einsum("mph,mth->mpt", x, g), axis=(1, 2))
@@ -237,26 +281,31 @@ class MLMGhostLoss:
         return "decoder" not in params["cls"]["predictions"]
 
     def weighted_sums(
-        self, params: Any, inputs: dict[str, Any], grads: dict[str, jax.Array], w: jax.Array
+        self, params: Any, inputs: dict[str, Any], grads: dict[str, jax.Array], w: jax.Array,
+        instantiated: dict[str, jax.Array],
     ) -> dict[Path, jax.Array]:
-        """sum_i w_i grad_i for every parameter, keyed by parameter path (float32)."""
+        """sum_i w_i grad_i for every parameter, keyed by parameter path (float32). Taps and
+        instantiated gradients must already be exactly zero for dropped examples."""
         out: dict[Path, jax.Array] = {}
         for name, g in grads.items():
             if name in ("embeddings", "logits"):
                 continue
             path = tuple(int(p) if p.isdigit() else p for p in name.split("/"))
-            a, g = _flat(inputs[name]), _flat(g) * w[:, None, None]
+            a, g = _flat(inputs[name]), _flat(g)
             if name.endswith("LayerNorm"):
-                out[path + ("scale",)] = jnp.einsum("mth,mth->h", a, g)
+                out[path + ("scale",)] = jnp.einsum("mth,mth,m->h", a, g, w)
+            elif name in instantiated:
+                # A contraction over the example axis (not broadcast-multiply + reduce).
+                out[path + ("kernel",)] = jnp.tensordot(w, instantiated[name], axes=1)
             else:
-                out[path + ("kernel",)] = jnp.einsum("mti,mto->io", a, g)
-            out[path + ("bias",)] = jnp.sum(g, axis=(0, 1))
+                out[path + ("kernel",)] = _weighted_outer(a, g, w)
+            out[path + ("bias",)] = jnp.einsum("mto,m->o", g, w)
         m = w.shape[0]
         ids = inputs["embeddings"]["ids"].reshape(m, -1)
         types = inputs["embeddings"]["types"].reshape(ids.shape)
         g = _flat(grads["embeddings"]) * w[:, None, None]
-        e = _flat(grads["logits"]) * w[:, None, None]
-        x = _flat(inputs["logits"])
+        e = _flat(grads["logits"])
+        x = _flat(inputs["logits"]) * w[:, None, None]  # [M, P, H]: far smaller than e [M, P, V]
         emb = params["bert"]["embeddings"]
         table = emb["word_embeddings"]["embedding"]
         pos_table = emb["position_embeddings"]["embedding"]
@@ -275,7 +324,7 @@ class MLMGhostLoss:
         out[("bert", "embeddings", "token_type_embeddings", "embedding")] = jnp.einsum(
             "mtk,mth->kh", jax.nn.one_hot(types, n_types, dtype=_F32), g
         )
-        out[("cls", "predictions", "bias")] = jnp.sum(e, axis=(0, 1))
+        out[("cls", "predictions", "bias")] = jnp.einsum("mpv,m->v", e, w)
         return out
 
 
@@ -303,36 +352,30 @@ def ghost_clipped_grad_sum(
         )
     if not clip_norm > 0:
         raise ValueError(f"clip_norm must be > 0, got {clip_norm!r}")
-    num_micro = _check_batch(batch, is_padding, microbatch_size)
     tapped = jax.vmap(loss.tapped, in_axes=(None, 0, 0, 0))
+    leaves = {_param_path(p): leaf for p, leaf in jax.tree_util.tree_leaves_with_path(params)}
 
     def one_microbatch(carry: tuple[dict[Path, jax.Array], ClipStats], xs: tuple[Any, jax.Array, jax.Array]):
         total, stats = carry
         examples, padding, index = xs
-        positions = position_offset + index * microbatch_size + jnp.arange(microbatch_size)
-        keys = jax.vmap(lambda p: jax.random.fold_in(rng, p))(positions)
+        keys = example_keys(rng, position_offset, index, microbatch_size)
         shapes = jax.eval_shape(lambda: tapped(params, examples, keys, None)[2])
         z = jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
         # Params are closed over: the backward pass stops at the layer outputs (no weight grads).
         losses, vjp, inputs = jax.vjp(lambda z: tapped(params, examples, keys, z)[:2], z, has_aux=True)
         (out_grads,) = vjp(jnp.ones_like(losses))
-        norms = jnp.sqrt(loss.sq_norms(params, inputs, out_grads))
-        finite = jnp.isfinite(norms) & jnp.isfinite(losses)
-        real = ~padding
-        keep = real & finite
-        scale = jnp.where(keep, jnp.minimum(1.0, clip_norm / norms), 0.0)
+        sq_norms, instantiated = loss.sq_norms(params, inputs, out_grads)
+        keep, scale, stats = clip_scale(stats, jnp.sqrt(sq_norms), losses, padding, clip_norm)
 
         def zero_dropped(x: jax.Array) -> jax.Array:
-            # where() before the weighted sums: 0 * NaN would still be NaN.
-            if not jnp.issubdtype(x.dtype, jnp.floating):
-                return x
-            return jnp.where(keep.reshape((-1,) + (1,) * (x.ndim - 1)), x, jnp.zeros((), x.dtype))
+            return _where_kept(keep, x) if jnp.issubdtype(x.dtype, jnp.floating) else x
 
         sums = loss.weighted_sums(
             params,
             jax.tree_util.tree_map(zero_dropped, inputs),
             jax.tree_util.tree_map(zero_dropped, out_grads),
             scale,
+            {k: zero_dropped(v) for k, v in instantiated.items()},
         )
         if set(sums) != set(total):
             # A parameter without a tap would silently escape clipping: refuse instead.
@@ -340,26 +383,10 @@ def ghost_clipped_grad_sum(
                 f"ghost clipping does not match the parameters: missing {sorted(set(total) - set(sums))}, "
                 f"unknown {sorted(set(sums) - set(total))}"
             )
-        total = {k: total[k] + sums[k] for k in total}
-        f32 = jnp.float32
-        stats = ClipStats(
-            num_examples=stats.num_examples + jnp.sum(real, dtype=f32),
-            num_clipped=stats.num_clipped + jnp.sum(keep & (norms > clip_norm), dtype=f32),
-            num_nonfinite=stats.num_nonfinite + jnp.sum(real & ~finite, dtype=f32),
-            loss_sum=stats.loss_sum + jnp.sum(jnp.where(keep, losses, 0.0), dtype=f32),
-        )
-        return (total, stats), None
+        return ({k: total[k] + sums[k] for k in total}, stats), None
 
-    zero = _zero_like_batch(is_padding)
-    leaves = {_param_path(p): leaf for p, leaf in jax.tree_util.tree_leaves_with_path(params)}
-    init_total = {k: jnp.zeros(v.shape, _F32) + zero for k, v in leaves.items()}
-    init = (init_total, ClipStats(num_examples=zero, num_clipped=zero, num_nonfinite=zero, loss_sum=zero))
-    xs = (
-        _split_microbatches(batch, num_micro, microbatch_size),
-        is_padding.reshape(num_micro, microbatch_size),
-        jnp.arange(num_micro),
-    )
-    (total, stats), _ = jax.lax.scan(one_microbatch, init, xs)
+    init_total = {k: jnp.zeros(v.shape, _F32) for k, v in leaves.items()}
+    total, stats = scan_microbatches(one_microbatch, init_total, batch, is_padding, microbatch_size)
     paths = [_param_path(p) for p, _ in jax.tree_util.tree_leaves_with_path(params)]
     grads = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(params), [total[p] for p in paths])
     return grads, stats
