@@ -131,17 +131,26 @@ def epsilon_lower_bound(
     return lo
 
 
-def guess_grid(num_canaries: int) -> tuple[tuple[int, int], ...]:
-    """Fixed (k_plus, k_minus) candidates: r guesses for r on a doubling grid from 1 to
-    `num_canaries` (plus r = m), each as all-"in" and as an even "in"/"out" split."""
+def guess_grid(num_canaries: int, *, confidence: float = 0.95) -> tuple[tuple[int, int], ...]:
+    """Fixed (k_plus, k_minus) candidates: r guesses for r on a doubling grid up to
+    `num_canaries` (plus r = m), each as all-"in" and as an even "in"/"out" split.
+
+    Sizes too small to ever give a positive bound are left out, since every candidate costs
+    Bonferroni level: r guesses, all correct, reject epsilon = 0 only if 2^-r is below the
+    per-candidate level, so r starts at the smallest power of two with
+    2^-r < (1 - confidence) / (number of candidates of the full grid). Dropping candidates only
+    raises the per-candidate level, so no dropped size could have helped. Depends on m and the
+    confidence only, never on the scores.
+    """
     m = num_canaries
+
+    def grid(sizes: list[int]) -> list[tuple[int, int]]:
+        return [c for r in sizes for c in ([(r, 0)] + ([(r - r // 2, r // 2)] if r >= 2 else []))]
+
     sizes = sorted({*(2**j for j in range(int(math.log2(m)) + 1)), m})
-    out: list[tuple[int, int]] = []
-    for r in sizes:
-        out.append((r, 0))
-        if r >= 2:
-            out.append((r - r // 2, r // 2))
-    return tuple(out)
+    level = (1.0 - confidence) / len(grid(sizes))
+    useful = [r for r in sizes if 0.5**r < level]
+    return tuple(grid(useful or sizes[-1:]))
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -201,7 +210,7 @@ def audit_scores(
     m = _check_scores(scores, included)
     if not 0 < confidence < 1:
         raise ValueError(f"confidence: expected a number in (0, 1), got {confidence!r}")
-    candidates = tuple(candidates) if candidates is not None else guess_grid(m)
+    candidates = tuple(candidates) if candidates is not None else guess_grid(m, confidence=confidence)
     if not candidates:
         raise ValueError("candidates: expected at least one (k_plus, k_minus) pair, got none")
     significance = 1.0 - confidence
