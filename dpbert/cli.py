@@ -280,7 +280,8 @@ def _add_audit(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("recipe", metavar="RECIPE", help="recipe YAML file (see recipes/); must be private")
     p.add_argument("--output-dir", required=True, metavar="DIR", help="audit folder (audit.json, run/, store/)")
-    p.add_argument("--canaries", type=int, default=1000, metavar="M", help="number of canaries (default 1000)")
+    p.add_argument("--canaries", type=int, default=None, metavar="M",
+                   help="number of canaries (default 1000 input, 10000 gradient)")
     p.add_argument("--kind", choices=["input", "gradient"], default="input",
                    help="input: random sequences, black box (default); gradient: Dirac gradients in the DP step")
     p.add_argument("--confidence", type=float, default=0.95, help="confidence of the lower bound (default 0.95)")
