@@ -312,6 +312,10 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--microbatch", type=int, default=8, help="DP micro-batch size (default: 8)")
     p.add_argument("--steps", type=int, default=3, help="timed steps per row after one warm-up (default: 3)")
     p.add_argument("--bfloat16", action="store_true", help="bfloat16 compute (float32 parameters and sums)")
+    p.add_argument("--layer-mode", choices=["mixed", "ghost", "instantiate"], default="mixed",
+                   help="how ghost clipping clips each dense kernel (default: mixed, the cheaper per layer)")
+    p.add_argument("--remat", action="store_true", help="jax.checkpoint per encoder layer (non-private and vmap rows)")
+    p.add_argument("--no-vmap", dest="vmap", action="store_false", help="skip the vmap DP row (slow on big models)")
     p.add_argument("--no-peers", dest="peers", action="store_false", help="skip PyTorch and Opacus")
     p.add_argument("--no-memory", dest="memory", action="store_false", help="skip the memory analysis")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")

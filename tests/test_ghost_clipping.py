@@ -161,3 +161,25 @@ def test_auto_microbatch_size_is_largest_that_fits():
     assert auto_microbatch_size(loss, params, example, memory_budget_bytes=peaks[4], clip_norm=1.0, max_size=64) == 4
     with pytest.raises(ValueError, match="memory_budget_bytes"):
         auto_microbatch_size(loss, params, example, memory_budget_bytes=16, clip_norm=1.0)
+
+
+def test_bfloat16_compute_keeps_float32_sum_and_the_clip_bound(setup):
+    loss, params, batch, is_padding, key, per_example = setup
+    config = functional.merge(loss.graphdef, params).config
+    bf16_graphdef, _ = functional.split_params(BertForMaskedLM(config, rngs=nnx.Rngs(0), dtype=jnp.bfloat16))
+    bf16 = MLMGhostLoss(graphdef=bf16_graphdef)
+    clip_norm = float(np.median([float(optax.tree.norm(g)) for g in per_example]))
+    run = jax.jit(lambda lf, p, b, pad: ghost_clipped_grad_sum(lf, p, b, pad, key, clip_norm=clip_norm, microbatch_size=MB),
+                  static_argnums=0)
+    want, _ = run(loss, params, batch, is_padding)
+    got, _ = run(bf16, params, batch, is_padding)
+    assert all(x.dtype == jnp.float32 for x in jax.tree_util.tree_leaves(got))
+    # bfloat16 activations (8 mantissa bits) in float32 algebra: the sum within 5% of float32's.
+    rel = float(optax.tree.norm(jax.tree_util.tree_map(jnp.subtract, got, want))) / float(optax.tree.norm(want))
+    assert rel < 0.05, rel
+    # Each example alone: the bf16 clipped contribution never exceeds C (norm and sum come from the
+    # same taps in float32, so only float32 rounding remains).
+    for i in np.flatnonzero(~np.asarray(is_padding)):
+        alone = jnp.arange(B) != i
+        one, _ = run(bf16, params, batch, alone)
+        assert float(optax.tree.norm(one)) <= clip_norm * (1 + 1e-5)

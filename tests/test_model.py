@@ -380,3 +380,23 @@ def test_bad_inputs_name_the_file_and_the_mismatch(tmp_path, hf_mlm_dir):
         BertModel(odd_config(hidden_act="mish"), rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match="not_a_field: not a BertConfig field"):
         BertForMaskedLM.from_pretrained(hf_mlm_dir, not_a_field=1)
+
+
+def test_remat_gives_the_same_loss_and_gradients():
+    config = odd_config(hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1)
+    inputs = batch(97)
+    grads = {}
+    for remat in (False, True):
+        graphdef, params = split_params(BertForMaskedLM(config, rngs=nnx.Rngs(0), remat=remat))
+
+        def loss(p, graphdef=graphdef):
+            logits = mlm_logits(graphdef, p, inputs["input_ids"], inputs["attention_mask"], inputs["token_type_ids"],
+                                jax.random.key(3))
+            return jnp.mean(logits**2)
+
+        # Same dropout masks (keys), same values: only the memory/compute trade-off differs.
+        grads[remat] = jax.jit(jax.value_and_grad(loss))(params)
+    np.testing.assert_allclose(grads[True][0], grads[False][0], rtol=1e-6)
+    jax.tree_util.tree_map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7), *grads.values())
+    jaxpr = str(jax.make_jaxpr(lambda p: mlm_logits(graphdef, p, inputs["input_ids"]))(params))
+    assert "checkpoint" in jaxpr or "remat" in jaxpr

@@ -14,6 +14,10 @@ Guarantees:
 - ``dtype`` is the compute dtype; parameters are always stored in float32. Softmax and
   LayerNorm statistics run in float32 whatever the compute dtype; outputs (hidden states,
   logits) come back in the compute dtype.
+- ``remat=True`` (``BertModel``, ``BertForMaskedLM``) wraps each encoder layer in
+  ``jax.checkpoint``: identical outputs and gradients, activation memory traded for a second
+  forward pass of each layer in the backward pass. The ghost-clipping forward
+  (``dpbert.privacy.ghost_clipping``) inlines the layers and ignores it.
 - The masked-LM decoder is tied to ``bert.embeddings.word_embeddings`` (one parameter, one
   gradient) plus its own ``cls.predictions.bias``, as in BERT; a config with
   ``tie_word_embeddings=False`` gets an untied ``cls.predictions.decoder`` instead.
@@ -260,16 +264,25 @@ class BertLayer(nnx.Module):
         return self.output(self.intermediate(attended), attended, _fold(key, _SITE_FFN_OUT))
 
 
+def _rematerialized(layer: BertLayer, x: jax.Array, mask: jax.Array | None, key: jax.Array | None) -> jax.Array:
+    """`layer(x, mask, key)` under jax.checkpoint: the backward pass recomputes the layer's
+    activations from its input instead of keeping them (same values, less memory, more flops)."""
+    graphdef, state = nnx.split(layer)
+    return jax.checkpoint(lambda s, x, mask, key: nnx.merge(graphdef, s)(x, mask, key))(state, x, mask, key)
+
+
 class BertEncoder(nnx.Module):
-    def __init__(self, config: BertConfig, *, rngs: nnx.Rngs, dtype: Any):
+    def __init__(self, config: BertConfig, *, rngs: nnx.Rngs, dtype: Any, remat: bool = False):
         self.layer = nnx.List([BertLayer(config, rngs=rngs, dtype=dtype) for _ in range(config.num_hidden_layers)])
+        self.remat = remat
 
     def __call__(
         self, x: jax.Array, mask: jax.Array | None, key: jax.Array | None
     ) -> tuple[jax.Array, tuple[jax.Array, ...]]:
         states = [x]
         for i, layer in enumerate(self.layer):
-            x = layer(x, mask, _fold(key, _SITE_LAYER_BASE + i))
+            layer_key = _fold(key, _SITE_LAYER_BASE + i)
+            x = _rematerialized(layer, x, mask, layer_key) if self.remat else layer(x, mask, layer_key)
             states.append(x)
         return x, tuple(states)
 
@@ -324,10 +337,11 @@ def _attention_mask(attention_mask: jax.Array | None) -> jax.Array | None:
 class BertModel(_PretrainedMixin, nnx.Module):
     """The BERT encoder (embeddings, encoder, optional pooler); Hugging Face names without prefix."""
 
-    def __init__(self, config: BertConfig, *, rngs: nnx.Rngs, dtype: Any = jnp.float32, add_pooling_layer: bool = True):
+    def __init__(self, config: BertConfig, *, rngs: nnx.Rngs, dtype: Any = jnp.float32, add_pooling_layer: bool = True,
+                 remat: bool = False):
         self._set_config(config)
         self.embeddings = BertEmbeddings(config, rngs=rngs, dtype=dtype)
-        self.encoder = BertEncoder(config, rngs=rngs, dtype=dtype)
+        self.encoder = BertEncoder(config, rngs=rngs, dtype=dtype, remat=remat)
         self.pooler = BertPooler(config, rngs=rngs, dtype=dtype) if add_pooling_layer else None
         self.max_positions = config.max_position_embeddings
 
@@ -410,9 +424,9 @@ class BertForMaskedLM(_PretrainedMixin, nnx.Module):
 
     base_model_prefix = "bert"
 
-    def __init__(self, config: BertConfig, *, rngs: nnx.Rngs, dtype: Any = jnp.float32):
+    def __init__(self, config: BertConfig, *, rngs: nnx.Rngs, dtype: Any = jnp.float32, remat: bool = False):
         self._set_config(config)
-        self.bert = BertModel(config, rngs=rngs, dtype=dtype, add_pooling_layer=False)
+        self.bert = BertModel(config, rngs=rngs, dtype=dtype, add_pooling_layer=False, remat=remat)
         self.cls = BertOnlyMLMHead(config, rngs=rngs, dtype=dtype)
 
     def __call__(
