@@ -1,0 +1,148 @@
+"""The real `pretrain()` on 8 fake CPU devices (a data=8 mesh and a data=2 x fsdp=4 mesh) ends
+with the same parameters (float tolerance), the same ledger and the same sampled batches as on
+one device. Per-example clipping by vmap: ghost clipping is refused on multi-device meshes until
+its known cross-device defect is fixed (tested here too).
+
+XLA fixes the device count when jax initialises, so the 8-device runs go in a fresh interpreter
+with XLA_FLAGS set before jax is imported; the 1-device run is this process's.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+import yaml
+from safetensors.numpy import load_file
+
+from dpbert.train.metrics import read_metrics
+from dpbert.train.pretrain import pretrain
+
+ROOT = Path(__file__).resolve().parents[1]
+PHRASES = [
+    "the president of the united states {w} the congress .",
+    "we the people of the nation {w} our freedom .",
+    "the secretary of the treasury {w} the public debt .",
+    "my fellow citizens , we {w} the future .",
+]
+SLOTS = ["protect", "address", "serve", "defend"]
+
+
+def tiny_recipe(root: Path) -> Path:
+    """2 layers x hidden 32, seq 32, DP with dropout on (per-example keys must not depend on the
+    device), micro-batches of 2 (so the compiled batch is a multiple of 16 on 8 devices)."""
+    rng = random.Random(0)
+    corpus = root / "corpus"
+    corpus.mkdir()
+    for d in range(40):
+        (corpus / f"doc{d:02d}.txt").write_text(" ".join(rng.choice(PHRASES).format(w=rng.choice(SLOTS))
+                                                          for _ in range(8)))
+    recipe = {
+        "model": {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2, "intermediate_size": 64},
+        "data": {"corpus": str(corpus), "store": str(root / "store"), "tokenizer": "train", "train_vocab_size": 200,
+                 "seq_len": 32, "eval_fraction": 0.1, "num_proc": 1},
+        "schedule": [{"steps": 2, "expected_batch_size": 8}],
+        "privacy": {"enabled": True, "clip_norm": 1.0, "delta": 1.0e-3, "accountant": "rdp",
+                    "noise_multiplier": 1.0, "target_epsilon": 30.0},
+        "optimizer": {"learning_rate": 1.0e-2, "warmup_steps": 0},
+        "train": {"microbatch_size": 2, "clipping": "vmap", "checkpoint_every": 2, "eval_every": 0, "eval_batches": 1,
+                  "eval_batch_size": 16},
+    }
+    path = root / "recipe.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    return path
+
+
+EIGHT = textwrap.dedent(
+    """
+    import json, sys
+    import jax
+    from dpbert.train.pretrain import pretrain
+
+    assert jax.device_count() == 8, jax.devices()
+    recipe, out = sys.argv[1], sys.argv[2]
+    for name, mesh in (("data8", ["mesh.data=8", "mesh.fsdp=1"]), ("data2_fsdp4", ["mesh.data=2", "mesh.fsdp=4"])):
+        lines = []
+        pretrain(recipe, f"{out}/{name}", overrides=mesh, progress=False, log=lines.append)
+        print("LOG " + json.dumps([name, lines]), flush=True)
+    try:
+        pretrain(recipe, f"{out}/ghost8", overrides=["train.clipping=ghost"], progress=False, log=print)
+    except ValueError as err:
+        print("LOG " + json.dumps(["ghost8", [str(err)]]), flush=True)
+    """
+)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("sharded")
+    recipe = tiny_recipe(root)
+    assert jax.device_count() == 1
+    one_log: list[str] = []
+    pretrain(recipe, root / "one", progress=False, log=one_log.append)
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
+    proc = subprocess.run([sys.executable, "-c", EIGHT, str(recipe), str(root)], env=env, cwd=ROOT,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    logs = dict(json.loads(line[4:]) for line in proc.stdout.splitlines() if line.startswith("LOG "))
+    return root, {"one": one_log, **logs}
+
+
+@pytest.mark.parametrize("name", ["data8", "data2_fsdp4"])
+def test_eight_devices_train_like_one(runs, name):
+    root, logs = runs
+    mesh = {"data8": "data=8 x fsdp=1", "data2_fsdp4": "data=2 x fsdp=4"}[name]
+    # The compiled batch is the ledger's physical batch padded to devices x micro-batch.
+    physical = json.loads((root / "one" / "privacy.json").read_text())["stages"][0]["physical_batch_size"]
+    assert f"mesh {mesh} over 1 process(es); compiled batch per stage {-(-physical // 16) * 16}" in "\n".join(logs[name])
+    assert f"mesh data=1 x fsdp=1 over 1 process(es); compiled batch per stage {-(-physical // 2) * 2}" in "\n".join(
+        logs["one"])
+    # The ledger (incl. the physical batch where sampling truncates) does not depend on the devices.
+    ledger = json.loads((root / name / "privacy.json").read_text())
+    assert ledger == json.loads((root / "one" / "privacy.json").read_text())
+    assert ledger["stages"][0]["steps"] == 2
+    train = [r for r in read_metrics(root / name / "metrics.jsonl") if r["kind"] == "train"]
+    ref = [r for r in read_metrics(root / "one" / "metrics.jsonl") if r["kind"] == "train"]
+    assert [r["step"] for r in train] == [1, 2]
+    for a, b in zip(train, ref, strict=True):
+        assert a["realized_batch_size"] == b["realized_batch_size"] and a["epsilon"] == b["epsilon"]
+        assert a["nonprivate_diagnostics"]["loss"] == pytest.approx(b["nonprivate_diagnostics"]["loss"], abs=1e-5)
+    ref_params = load_file(str(root / "one" / "hf" / "model.safetensors"))
+    params = load_file(str(root / name / "hf" / "model.safetensors"))
+    assert params.keys() == ref_params.keys()
+    for k in ref_params:
+        np.testing.assert_allclose(params[k], ref_params[k], rtol=1e-4, atol=2e-6, err_msg=k)
+
+
+def test_the_comparison_is_not_vacuous(runs):
+    """Two AdamW steps at learning rate 1e-2 moved the weights far more than the tolerance."""
+    root, _ = runs
+    from dpbert.train.mesh import make_mesh
+    from dpbert.train.pretrain import abstract_state, bert_config, init_state, make_optimizer
+    from dpbert.train.recipe import load_recipe
+
+    recipe = load_recipe(root / "one" / "recipe.yaml")  # the resolved recipe (vocabulary size set)
+    optimizer = make_optimizer(recipe)
+    init, _ = init_state(recipe, abstract_state(recipe, bert_config(recipe), optimizer, make_mesh()), optimizer)
+    init_leaves = [np.asarray(x) for x in jax.tree_util.tree_leaves(init)]
+    final = load_file(str(root / "one" / "hf" / "model.safetensors"))
+    assert sum(x.size for x in init_leaves) == sum(x.size for x in final.values())
+    # Every leaf's squared norm changes; compare the multisets of norms (names differ between the two trees).
+    init_norms = sorted(float(np.sum(x.astype(np.float64) ** 2)) for x in init_leaves)
+    final_norms = sorted(float(np.sum(x.astype(np.float64) ** 2)) for x in final.values())
+    assert abs(sum(final_norms) - sum(init_norms)) > 1.0, (sum(init_norms), sum(final_norms))
+
+
+def test_ghost_clipping_is_refused_on_a_multi_device_mesh(runs):
+    root, logs = runs
+    (message,) = logs["ghost8"]
+    assert "train.clipping" in message and "8 devices" in message
+    assert not (root / "ghost8" / "checkpoints").exists() or not any((root / "ghost8" / "checkpoints").iterdir())
