@@ -19,10 +19,16 @@ Outputs in OUTPUT_DIR: `audit.json` (`kind`, `epsilon_claimed`, `delta`,
 `epsilon_lower_bound`, `epsilon_lower_bound_max_over_k`, `confidence`, canary and guess
 counts, `date` (UTC, ISO 8601), `audit: true`). With `--card RELEASE_DIR` the result is also
 added to that release's privacy.json and model card as an audited figure, clearly labelled an
-empirical lower bound (`dpbert.release.audited.add_audit`; atomic, verified). An input audit also leaves `run/` (the pretraining run, marked: its
-`privacy.json` carries `audit: true` and so no longer parses as a releasable ledger, an
-`audit` record ends `metrics.jsonl`, its `release/` export is removed) and `store/` (the
-audit token store, whose manifest `source` names the canaries).
+empirical lower bound (`dpbert.release.audited.add_audit`; atomic, verified). An input audit
+also leaves `run/` (the pretraining run, marked: its `privacy.json` carries `audit: true` and
+so no longer parses as a releasable ledger, an `audit` record ends `metrics.jsonl`, its
+`release/` export is removed) and `store/` (the audit token store, whose manifest `source`
+names the canaries).
+
+Measured on recipes/tiny.yaml (claimed epsilon 7.99 at delta 1e-6): gradient canaries give a
+lower bound of 0.77 with 10,000 canaries (~1 min); input canaries give 0.0 with 1,000 (26 min
+on 2 shared cores): 60 steps at sampling rates 0.002-0.003 sample a canary 0.15 times on
+average, and the members' pseudo-log-likelihoods are indistinguishable (AUC 0.51).
 
 Guarantees: canaries exist only in OUTPUT_DIR's audit store; the recipe's own token store is
 read, never written; a plain `dpbert pretrain` never sees canaries. Canary tokens and coin
