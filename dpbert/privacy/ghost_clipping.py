@@ -370,12 +370,20 @@ def ghost_clipped_grad_sum(
         def zero_dropped(x: jax.Array) -> jax.Array:
             return _where_kept(keep, x) if jnp.issubdtype(x.dtype, jnp.floating) else x
 
-        sums = loss.weighted_sums(
-            params,
-            jax.tree_util.tree_map(zero_dropped, inputs),
-            jax.tree_util.tree_map(zero_dropped, out_grads),
-            scale,
-            {k: zero_dropped(v) for k, v in instantiated.items()},
+        def weighted_sums(clean: Callable[[jax.Array], jax.Array]) -> dict[Path, jax.Array]:
+            return loss.weighted_sums(
+                params,
+                jax.tree_util.tree_map(clean, inputs),
+                jax.tree_util.tree_map(clean, out_grads),
+                scale,
+                {k: clean(v) for k, v in instantiated.items()},
+            )
+
+        # Every tap enters its example's squared norm multiplied by itself, so finite norms mean
+        # finite taps, and a factor of 0 (padding, non-finite loss) then gives exact zeros. Only a
+        # micro-batch with a non-finite norm pays for zeroing the dropped rows first (0 * NaN = NaN).
+        sums = jax.lax.cond(
+            jnp.all(jnp.isfinite(sq_norms)), lambda: weighted_sums(lambda x: x), lambda: weighted_sums(zero_dropped)
         )
         if set(sums) != set(total):
             # A parameter without a tap would silently escape clipping: refuse instead.
