@@ -1,11 +1,16 @@
 """Ahead-of-time compile of a recipe's pretraining step at full shape, and a throughput model.
 
-`compile_step(recipe, mesh)` builds the real train step (the trainer's masked-LM loss, the
-DP core's step, the recipe's optimizer, `dpbert.train.mesh` shardings) and lowers and
-compiles it from abstract arrays only: the model is initialised under `nnx.eval_shape`, the
-optimizer state under `jax.eval_shape`, and the batch is `jax.ShapeDtypeStruct`s with their
-shardings, so no weight is ever materialized and a pod-size step compiles on a laptop with
-fake devices (`XLA_FLAGS=--xla_force_host_platform_device_count=8`).
+`compile_step(recipe, mesh)` compiles exactly the step the trainer runs: it calls the same
+functions as `dpbert.train.pretrain.pretrain` (`abstract_state`, `make_mlm_loss`, `make_step`:
+the masked-LM loss with the recipe's `train.clipping` (ghost clipping by default), the DP
+core's step, the recipe's optimizer, the mesh's shardings) at the trainer's compiled batch
+(`ledger_physical_batch_sizes` padded by `device_batch_size`), and lowers and compiles it
+from abstract arrays only: the model and the optimizer state exist only as `jax.eval_shape`
+results and the batch as `jax.ShapeDtypeStruct`s with their shardings, so no weight is ever
+materialized and a pod-size step compiles on a laptop with fake devices
+(`XLA_FLAGS=--xla_force_host_platform_device_count=8`). Token ids the masking needs (mask,
+padding, specials) are placeholders: they change no shape. The stage's noise multiplier is a
+placeholder too (its value changes no shape or FLOP count), so no calibration runs.
 
 What it measures (all from XLA, per device):
 - memory: `compiled.memory_analysis()` of the full-shape step (arguments, outputs,
@@ -38,13 +43,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
-from dpbert.privacy import (
-    default_optimizer,
-    make_dp_train_step,
-    make_train_step,
-    physical_batch_size,
-)
-from dpbert.train.mesh import batch_axes, batch_sharding, bytes_per_device, replicated, state_shardings
+from dpbert.train.mesh import batch_sharding, bytes_per_device, replicated
 from dpbert.train.recipe import Recipe
 
 # Shape-only stand-ins for token ids the masking code needs (values never matter to shapes).
@@ -142,29 +141,6 @@ class CompileReport:
         return "\n".join(lines)
 
 
-def _bert_config(recipe: Recipe) -> Any:
-    from transformers import BertConfig
-
-    m = recipe.model
-    if m.init_from is not None:
-        return BertConfig.from_pretrained(m.init_from)
-    if m.vocab_size is None:
-        raise ValueError("recipe field 'model.vocab_size': --compile-only needs it set (null means the "
-                         "tokenizer's size, which is only known once the data is prepared)")
-    return BertConfig(
-        vocab_size=m.vocab_size, hidden_size=m.hidden_size, num_hidden_layers=m.num_hidden_layers,
-        num_attention_heads=m.num_attention_heads, intermediate_size=m.intermediate_size,
-        max_position_embeddings=m.max_position_embeddings or recipe.data.seq_len,
-        hidden_dropout_prob=m.hidden_dropout_prob, attention_probs_dropout_prob=m.attention_probs_dropout_prob,
-    )
-
-
-def _sds(tree: Any, shardings: Any) -> Any:
-    return jax.tree_util.tree_map(
-        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings
-    )
-
-
 def _flops(compiled: Any) -> float:
     cost = compiled.cost_analysis()
     if isinstance(cost, list | tuple):  # older jax returned one dict per module
@@ -172,12 +148,17 @@ def _flops(compiled: Any) -> float:
     return float(cost.get("flops", 0.0))
 
 
-def _physical(expected: int, dataset_size: int | None, multiple: int) -> int:
-    """The trainer's physical batch (Poisson overflow margin, rounded to `multiple`); without a
-    dataset size, the expected batch rounded up (no margin)."""
-    if dataset_size is None:
-        return -(-expected // multiple) * multiple
-    return physical_batch_size(expected, dataset_size, multiple=multiple)
+def _physical(recipe: Recipe, stage_index: int, devices: int) -> int:
+    """The trainer's compiled batch for a stage on `devices` devices: the ledger's physical batch
+    for `target.dataset_size` padded to devices x micro-batch; without a dataset size, the
+    expected batch padded (no Poisson margin)."""
+    from dpbert.train.pretrain import device_batch_size, ledger_physical_batch_sizes
+
+    mb = recipe.train.microbatch_size
+    n = recipe.target.dataset_size
+    ledger = recipe.schedule[stage_index].expected_batch_size if n is None else (
+        ledger_physical_batch_sizes(recipe, n)[stage_index])
+    return device_batch_size(ledger, devices, mb)
 
 
 def compile_step(
@@ -192,11 +173,15 @@ def compile_step(
 ) -> CompileReport:
     """Lower and compile the recipe's step at stage `stage_index` (default: the last, largest)
     on `mesh`; see the module docstring for what is measured and estimated."""
-    from flax import nnx
-
-    from dpbert.model import functional
-    from dpbert.model.bert import BertForMaskedLM
-    from dpbert.train.pretrain import _learning_rate, make_loss_fn, make_masker, max_predictions
+    from dpbert.train.pretrain import (
+        abstract_state,
+        bert_config,
+        make_masker,
+        make_mlm_loss,
+        make_optimizer,
+        make_step,
+        max_predictions,
+    )
 
     n_stages = len(recipe.schedule)
     if not -n_stages <= stage_index < n_stages:
@@ -205,25 +190,18 @@ def compile_step(
     stage = recipe.schedule[stage_index]
     devices = mesh.devices.size
     mb = recipe.train.microbatch_size
-    dataset_size = recipe.target.dataset_size
-    physical = _physical(stage.expected_batch_size, dataset_size, devices * mb)
+    physical = _physical(recipe, stage_index, devices)
 
-    config = _bert_config(recipe)
-    dtype = jnp.bfloat16 if recipe.train.dtype == "bfloat16" else jnp.float32
-    abstract_model = nnx.eval_shape(lambda: BertForMaskedLM(config, rngs=nnx.Rngs(0), dtype=dtype))
-    graphdef, abstract_params = functional.split_params(abstract_model)
-    o = recipe.optimizer
-    optimizer = default_optimizer(_learning_rate(recipe), weight_decay=o.weight_decay, b1=o.b1, b2=o.b2, eps=o.eps)
-    abstract_opt = jax.eval_shape(optimizer.init, abstract_params)
-    params_sh = state_shardings(abstract_params, mesh)
-    opt_sh = state_shardings(abstract_opt, mesh)
-    num_params = sum(math.prod(x.shape) for x in jax.tree_util.tree_leaves(abstract_params))
+    config = bert_config(recipe)
+    optimizer = make_optimizer(recipe)
+    abstract = abstract_state(recipe, config, optimizer, mesh)
+    params_sh, opt_sh = abstract.shardings
+    num_params = sum(math.prod(x.shape) for x in jax.tree_util.tree_leaves(abstract.params))
 
     masker = make_masker(vocab_size=config.vocab_size, mask_prob=recipe.data.mask_prob,
                          num_predictions=max_predictions(recipe.data.seq_len, recipe.data.mask_prob),
                          **_PLACEHOLDER_IDS)
-    # Masking runs inside the per-example loss (keyed by run key, step and store index), as in the trainer.
-    loss_fn = make_loss_fn(graphdef, masker, jax.random.key(recipe.train.seed))
+    loss_fn = make_mlm_loss(recipe, abstract.graphdef, masker, jax.random.key(recipe.train.seed))
     key_sds = jax.eval_shape(lambda: jax.random.key(0))
 
     def batch_args(rows: int) -> tuple[Any, Any]:
@@ -235,14 +213,9 @@ def compile_step(
         }
         return batch, jax.ShapeDtypeStruct((rows,), jnp.bool_, sharding=sharded)
 
-    common = dict(microbatch_size=mb, mesh=mesh, data_axis=batch_axes(mesh), state_shardings=(params_sh, opt_sh))
-    if recipe.privacy.enabled:
-        # The noise multiplier's value does not change shapes or FLOPs.
-        step = make_dp_train_step(loss_fn, optimizer, clip_norm=recipe.privacy.clip_norm, noise_multiplier=1.0,
-                                  expected_batch_size=stage.expected_batch_size, **common)
-    else:
-        step = make_train_step(loss_fn, optimizer, **common)
-    args_state = (_sds(abstract_params, params_sh), _sds(abstract_opt, opt_sh))
+    step = make_step(recipe, loss_fn, optimizer, noise_multiplier=1.0, expected_batch_size=stage.expected_batch_size,
+                     mesh=mesh, shardings=abstract.shardings)
+    args_state = (abstract.params, abstract.opt_state)
     key_arg = jax.ShapeDtypeStruct(key_sds.shape, key_sds.dtype, sharding=replicated(mesh))
 
     started = time.perf_counter()
@@ -270,8 +243,8 @@ def compile_step(
     if not 0.0 < mfu <= 1.0:
         raise ValueError(f"--assumed-mfu: expected a fraction in (0, 1], got {mfu!r}")
     estimates = []
-    for s in recipe.schedule:
-        rows = _physical(s.expected_batch_size, dataset_size, (tdev or devices) * mb)
+    for i, s in enumerate(recipe.schedule):
+        rows = _physical(recipe, i, tdev or devices)
         flops = rows * per_example + (tdev or devices) * update_flops
         seconds = None if peak is None or tdev is None else flops / (tdev * peak * 1e12 * mfu)
         estimates.append(StageEstimate(steps=s.steps, expected_batch_size=s.expected_batch_size,
@@ -284,7 +257,7 @@ def compile_step(
         microbatch_size=mb,
         mesh_shape=dict(mesh.shape),
         num_params=num_params,
-        state_bytes_per_device=bytes_per_device(abstract_params, params_sh) + bytes_per_device(abstract_opt, opt_sh),
+        state_bytes_per_device=bytes_per_device(abstract.params, params_sh) + bytes_per_device(abstract.opt_state, opt_sh),
         argument_bytes=int(memory.argument_size_in_bytes),
         output_bytes=int(memory.output_size_in_bytes),
         alias_bytes=int(memory.alias_size_in_bytes),
