@@ -67,6 +67,7 @@ from dpbert.data import glue
 from dpbert.data.glue_metrics import compute_metrics, predictions_from_logits
 from dpbert.model import BertForSequenceClassification
 from dpbert.model.functional import classifier_logits
+from dpbert.train.recipe import apply_overrides, read_yaml
 
 Trainable = Literal["all", "bias"]
 # fold_in constants that separate the streams of one step's randomness.
@@ -191,26 +192,7 @@ def _parse(cls: type, raw: Any, field: str) -> Any:
 def load_config(path: str | os.PathLike[str] | None = None, overrides: Iterable[str] = ()) -> FinetuneConfig:
     """A `FinetuneConfig` from a YAML recipe (or the defaults) plus `key.path=value` overrides
     (values parsed as YAML). Errors name the dotted field and, for a file, the file."""
-    raw: dict[str, Any] = {}
-    if path is not None:
-        path = Path(path)
-        if not path.is_file():
-            raise FileNotFoundError(f"recipe file not found: {path}")
-        try:
-            raw = yaml.safe_load(path.read_text()) or {}
-        except yaml.YAMLError as err:
-            raise ValueError(f"recipe {path}: not valid YAML: {err}") from None
-    for override in overrides:
-        key, sep, text = override.partition("=")
-        if not sep or not key.strip():
-            raise ValueError(f"override {override!r}: expected key.path=value")
-        *parents, last = key.strip().split(".")
-        node = raw
-        for part in parents:
-            node = node.setdefault(part, {})
-            if not isinstance(node, dict):
-                raise ValueError(f"override {override!r}: '{part}' is a value, not a section")
-        node[last] = yaml.safe_load(text)
+    raw = apply_overrides(read_yaml(path) if path is not None else {}, overrides)
     try:
         return _parse(FinetuneConfig, raw, "")
     except ValueError as err:

@@ -379,14 +379,19 @@ def _parse_section(cls: type, raw: Any, field: str) -> Any:
 
 def load_recipe_dict(raw: Mapping[str, Any], overrides: Iterable[str] = ()) -> Recipe:
     """Validate a recipe mapping after applying `key.path=value` overrides."""
-    data = _to_plain(raw)
-    for override in overrides:
-        _apply_override(data, override)
-    return _parse_section(Recipe, data, "")
+    return _parse_section(Recipe, apply_overrides(raw, overrides), "")
 
 
 def load_recipe(path: str | os.PathLike[str], overrides: Iterable[str] = ()) -> Recipe:
     """Read a YAML recipe file, apply overrides, validate. Errors name the file and field."""
+    try:
+        return load_recipe_dict(read_yaml(path), overrides)
+    except RecipeError as err:
+        raise RecipeError(err.field, f"{err.message} (in {path})") from None
+
+
+def read_yaml(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The top-level mapping of a YAML config file (empty file: {}); errors name the file."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"recipe file not found: {path}")
@@ -394,10 +399,18 @@ def load_recipe(path: str | os.PathLike[str], overrides: Iterable[str] = ()) -> 
         raw = yaml.safe_load(path.read_text()) or {}
     except yaml.YAMLError as err:
         raise ValueError(f"recipe {path}: not valid YAML: {err}") from None
-    try:
-        return load_recipe_dict(raw, overrides)
-    except RecipeError as err:
-        raise RecipeError(err.field, f"{err.message} (in {path})") from None
+    if not isinstance(raw, Mapping):
+        raise ValueError(f"recipe {path}: expected a mapping of fields at the top level, got {type(raw).__name__}")
+    return raw
+
+
+def apply_overrides(raw: Mapping[str, Any], overrides: Iterable[str]) -> dict[str, Any]:
+    """A plain copy of `raw` with each `key.path=value` override set (value parsed as YAML;
+    list items by index, e.g. `schedule.0.steps=10`)."""
+    data = _to_plain(raw)
+    for override in overrides:
+        _apply_override(data, override)
+    return data
 
 
 def _to_plain(value: Any) -> Any:
