@@ -11,7 +11,8 @@
      weight decay, which Anil et al. found to work well under DP).
 
 `make_train_step(...)` is the non-private baseline with the same signature: plain gradient
-of the mean loss over the real examples, no clipping, no noise.
+of the mean loss over the real examples (divided by the realized batch size), no clipping,
+no noise.
 
 Devices: with `mesh`, the batch (leading axis) is sharded over `data_axis` (one mesh axis, or
 a tuple of axes the batch is split over together) and params and optimizer state are
@@ -198,7 +199,10 @@ def make_train_step(
     donate: bool = True,
     state_shardings: tuple[Any, Any] | None = None,
 ) -> StepFn:
-    """The non-private step with the DP step's signature: mean gradient over real examples."""
+    """The non-private step with the DP step's signature: the plain gradient of the mean loss
+    over the real (non-padding) examples, i.e. divided by the realized batch size, not the
+    expected one. No per-example gradients; one batched pass when microbatch_size is the
+    physical batch, gradient accumulation over micro-batches otherwise."""
     if isinstance(microbatch_size, bool) or not isinstance(microbatch_size, int) or microbatch_size < 1:
         raise ValueError(f"microbatch_size must be an integer >= 1, got {microbatch_size!r}")
 
