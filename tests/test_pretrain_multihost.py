@@ -1,6 +1,5 @@
 """Two processes on 127.0.0.1 (jax.distributed over gloo, 2 CPU devices each, parameters and
-Adam state FSDP-sharded over all 4 devices, so across the processes; vmap clipping, see
-test_pretrain_sharded) run the real `dpbert pretrain` CLI and end with the parameters and ledger of one process on one device;
+Adam state FSDP-sharded over all 4 devices, so across the processes; ghost clipping) run the real `dpbert pretrain` CLI and end with the parameters and ledger of one process on one device;
 process 0 alone writes metrics, privacy.json, the HF folder and the release, and prints.
 """
 
@@ -57,7 +56,7 @@ def runs(tmp_path_factory):
         "privacy": {"enabled": True, "clip_norm": 1.0, "delta": 1.0e-3, "accountant": "rdp",
                     "noise_multiplier": 1.0, "target_epsilon": 30.0},
         "optimizer": {"learning_rate": 1.0e-2, "warmup_steps": 0},
-        "train": {"microbatch_size": 2, "clipping": "vmap", "checkpoint_every": 1, "eval_every": 0, "eval_batches": 1,
+        "train": {"microbatch_size": 2, "checkpoint_every": 1, "eval_every": 0, "eval_batches": 1,
                   "eval_batch_size": 16},
     }))
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu"}

@@ -360,7 +360,9 @@ def ghost_clipped_grad_sum(
         examples, padding, index = xs
         keys = example_keys(rng, position_offset, index, microbatch_size)
         shapes = jax.eval_shape(lambda: tapped(params, examples, keys, None)[2])
-        z = jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+        # Zeros shaped like the taps but typed like `padding`: under shard_map they vary per device,
+        # so each device's output gradients stay its own examples' (not a sum over devices).
+        z = jax.tree_util.tree_map(lambda s: jnp.zeros_like(padding, shape=s.shape, dtype=s.dtype), shapes)
         # Params are closed over: the backward pass stops at the layer outputs (no weight grads).
         losses, vjp, inputs = jax.vjp(lambda z: tapped(params, examples, keys, z)[:2], z, has_aux=True)
         (out_grads,) = vjp(jnp.ones_like(losses))

