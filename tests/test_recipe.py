@@ -68,6 +68,8 @@ def test_tiny_pair_differs_only_in_privacy():
         ({**MINIMAL, "schedule": []}, "schedule"),
         ({**MINIMAL, "train": {"microbatch_size": 0}}, "train.microbatch_size"),
         ({**MINIMAL, "train": {"dtype": "float16"}}, "train.dtype"),
+        ({**MINIMAL, "train": {"layer_mode": "fast"}}, "train.layer_mode"),
+        ({**MINIMAL, "model": {"remat": "yes"}}, "model.remat"),
         ({**MINIMAL, "data": {"seq_len": 32}, "model": {"max_position_embeddings": 16}},
          "model.max_position_embeddings"),
         ({**MINIMAL, "report": {"fill_mask": ["no mask here"]}}, "report.fill_mask[0]"),
@@ -94,6 +96,25 @@ def test_overrides_are_yaml_parsed_and_validated():
         load_recipe_dict(MINIMAL, ["schedule.3.steps=1"])
     with pytest.raises(ValueError, match="key.path=value"):
         load_recipe_dict(MINIMAL, ["train.seed"])
+
+
+def test_remat_and_layer_mode_reach_the_model_and_the_clipped_loss():
+    """`model.remat` builds the encoder with jax.checkpoint; `train.layer_mode` reaches the
+    ghost-clipping loss (the trainer's and the ahead-of-time compile's, which share it)."""
+    import jax
+    from flax import nnx
+
+    from dpbert.train.mesh import make_mesh
+    from dpbert.train.pretrain import abstract_state, bert_config, make_mlm_loss, make_optimizer
+
+    raw = {**MINIMAL, "model": {"vocab_size": 64, "hidden_size": 16, "num_attention_heads": 2,
+                                "intermediate_size": 32}, "data": {"seq_len": 16}}
+    for remat in (False, True):
+        recipe = load_recipe_dict(raw, [f"model.remat={str(remat).lower()}", "train.layer_mode=instantiate"])
+        abstract = abstract_state(recipe, bert_config(recipe), make_optimizer(recipe), make_mesh(devices=jax.devices()[:1]))
+        assert nnx.merge(abstract.graphdef, abstract.params).bert.encoder.remat is remat
+        loss = make_mlm_loss(recipe, abstract.graphdef, masker=None, run_key=jax.random.key(0))
+        assert loss.layer_mode == "instantiate"
 
 
 def test_file_errors_name_the_file(tmp_path):

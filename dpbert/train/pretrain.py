@@ -340,7 +340,7 @@ def abstract_state(recipe: Recipe, config: Any, optimizer: optax.GradientTransfo
     dtype = jnp.bfloat16 if recipe.train.dtype == "bfloat16" else jnp.float32
 
     def build() -> BertForMaskedLM:
-        return BertForMaskedLM(config, rngs=nnx.Rngs(recipe.train.seed), dtype=dtype)
+        return BertForMaskedLM(config, rngs=nnx.Rngs(recipe.train.seed), dtype=dtype, remat=recipe.model.remat)
 
     graphdef, params = functional.split_params(nnx.eval_shape(build))
     opt_state = jax.eval_shape(optimizer.init, params)
@@ -376,7 +376,8 @@ def make_mlm_loss(recipe: Recipe, graphdef: nnx.GraphDef, masker: Callable[..., 
     """The per-example masked-LM loss the step clips: with layer taps (ghost clipping) unless
     the run is non-private or `train.clipping` is "vmap"."""
     if recipe.privacy.enabled and recipe.train.clipping != "vmap":
-        return MaskedMLMGhostLoss(graphdef=graphdef, masker=masker, run_key=run_key)
+        return MaskedMLMGhostLoss(graphdef=graphdef, masker=masker, run_key=run_key,
+                                  layer_mode=recipe.train.layer_mode)
     return make_loss_fn(graphdef, masker, run_key)
 
 

@@ -56,7 +56,9 @@ class ModelConfig:
 
     `vocab_size: null` takes the tokenizer's size; `max_position_embeddings: null` takes
     `data.seq_len`. With `init_from`, the folder's config wins and the shape fields must
-    be left at their defaults.
+    be left at their defaults. `remat` recomputes each encoder layer's activations in the
+    backward pass (jax.checkpoint): less memory, more compute; the ghost-clipping path keeps
+    its layer taps for the norms and does not use it.
     """
 
     init_from: str | None = None
@@ -68,6 +70,7 @@ class ModelConfig:
     max_position_embeddings: int | None = None
     hidden_dropout_prob: float = 0.1
     attention_probs_dropout_prob: float = 0.1
+    remat: bool = False
 
     def __post_init__(self) -> None:
         for name in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size"):
@@ -211,6 +214,9 @@ class TrainConfig:
     picks how DP-SGD computes the per-example clipped sum: "ghost" (ghost norms and
     book-keeping, no per-example gradients materialized), "vmap" (per-example gradients), or
     "auto" (the faster, timed once per shape); all give the same sum, noise and accounting.
+    `layer_mode` picks, for ghost clipping, how each dense layer's per-example norm is found:
+    "mixed" (per layer, the cheaper of ghost norms and the instantiated per-example gradient),
+    "ghost" or "instantiate"; it changes speed and memory, never the result.
     `eval_batches` batches of `eval_batch_size` held-out examples, masked
     deterministically, are scored every `eval_every` steps and at the end.
     """
@@ -225,6 +231,7 @@ class TrainConfig:
     log_every: int = 1
     dtype: Literal["float32", "bfloat16"] = "float32"
     clipping: Literal["ghost", "vmap", "auto"] = "ghost"
+    layer_mode: Literal["mixed", "ghost", "instantiate"] = "mixed"
 
     def __post_init__(self) -> None:
         _check(self.seed >= 0, "seed", "an integer >= 0", self.seed)
