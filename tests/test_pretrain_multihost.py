@@ -1,5 +1,6 @@
 """Two processes on 127.0.0.1 (jax.distributed over gloo, 2 CPU devices each, parameters and
-Adam state FSDP-sharded over all 4 devices, so across the processes; ghost clipping) run the real `dpbert pretrain` CLI and end with the parameters and ledger of one process on one device;
+Adam state FSDP-sharded over all 4 devices, so across the processes; ghost clipping) run the
+real `dpbert pretrain` CLI and end with the parameters and ledger of one process on one device;
 process 0 alone writes metrics, privacy.json, the HF folder and the release, and prints.
 """
 
@@ -7,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import socket
 import subprocess
 import sys
@@ -16,19 +16,13 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-import yaml
 from safetensors.numpy import load_file
+from tiny_run import write_recipe
 
 from dpbert.train.metrics import read_metrics
 from dpbert.train.pretrain import pretrain
 
 ROOT = Path(__file__).resolve().parents[1]
-PHRASES = [
-    "the army and the navy {w} the republic .",
-    "in the year of our lord we {w} peace .",
-    "the secretary of the treasury {w} the public debt .",
-]
-SLOTS = ["protect", "serve", "defend", "honor"]
 
 
 def free_port() -> int:
@@ -40,25 +34,7 @@ def free_port() -> int:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("multihost")
-    rng = random.Random(1)
-    corpus = root / "corpus"
-    corpus.mkdir()
-    for d in range(40):
-        (corpus / f"doc{d:02d}.txt").write_text(" ".join(rng.choice(PHRASES).format(w=rng.choice(SLOTS))
-                                                          for _ in range(8)))
-    recipe = root / "recipe.yaml"
-    recipe.write_text(yaml.safe_dump({
-        "model": {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2, "intermediate_size": 64},
-        # The store does not exist yet: process 0 prepares it while process 1 waits at a barrier.
-        "data": {"corpus": str(corpus), "store": str(root / "store"), "tokenizer": "train", "train_vocab_size": 200,
-                 "seq_len": 32, "eval_fraction": 0.1, "num_proc": 1},
-        "schedule": [{"steps": 2, "expected_batch_size": 8}],
-        "privacy": {"enabled": True, "clip_norm": 1.0, "delta": 1.0e-3, "accountant": "rdp",
-                    "noise_multiplier": 1.0, "target_epsilon": 30.0},
-        "optimizer": {"learning_rate": 1.0e-2, "warmup_steps": 0},
-        "train": {"microbatch_size": 2, "checkpoint_every": 1, "eval_every": 0, "eval_batches": 1,
-                  "eval_batch_size": 16},
-    }))
+    recipe = write_recipe(root, checkpoint_every=1)
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu"}
     port = free_port()
     procs = [

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import subprocess
 import sys
 import textwrap
@@ -21,46 +20,13 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-import yaml
 from safetensors.numpy import load_file
+from tiny_run import write_recipe
 
 from dpbert.train.metrics import read_metrics
 from dpbert.train.pretrain import pretrain
 
 ROOT = Path(__file__).resolve().parents[1]
-PHRASES = [
-    "the president of the united states {w} the congress .",
-    "we the people of the nation {w} our freedom .",
-    "the secretary of the treasury {w} the public debt .",
-    "my fellow citizens , we {w} the future .",
-]
-SLOTS = ["protect", "address", "serve", "defend"]
-
-
-def tiny_recipe(root: Path) -> Path:
-    """2 layers x hidden 32, seq 32, DP with dropout on (per-example keys must not depend on the
-    device), micro-batches of 2 (so the compiled batch is a multiple of 16 on 8 devices)."""
-    rng = random.Random(0)
-    corpus = root / "corpus"
-    corpus.mkdir()
-    for d in range(40):
-        (corpus / f"doc{d:02d}.txt").write_text(" ".join(rng.choice(PHRASES).format(w=rng.choice(SLOTS))
-                                                          for _ in range(8)))
-    recipe = {
-        "model": {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2, "intermediate_size": 64},
-        "data": {"corpus": str(corpus), "store": str(root / "store"), "tokenizer": "train", "train_vocab_size": 200,
-                 "seq_len": 32, "eval_fraction": 0.1, "num_proc": 1},
-        "schedule": [{"steps": 2, "expected_batch_size": 8}],
-        "privacy": {"enabled": True, "clip_norm": 1.0, "delta": 1.0e-3, "accountant": "rdp",
-                    "noise_multiplier": 1.0, "target_epsilon": 30.0},
-        "optimizer": {"learning_rate": 1.0e-2, "warmup_steps": 0},
-        "train": {"microbatch_size": 2, "checkpoint_every": 2, "eval_every": 0, "eval_batches": 1,
-                  "eval_batch_size": 16},
-    }
-    path = root / "recipe.yaml"
-    path.write_text(yaml.safe_dump(recipe))
-    return path
-
 
 EIGHT = textwrap.dedent(
     """
@@ -81,7 +47,7 @@ EIGHT = textwrap.dedent(
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("sharded")
-    recipe = tiny_recipe(root)
+    recipe = write_recipe(root)
     assert jax.device_count() == 1
     one_log: list[str] = []
     pretrain(recipe, root / "one", progress=False, log=one_log.append)
@@ -123,7 +89,12 @@ def test_the_comparison_is_not_vacuous(runs):
     """Two AdamW steps at learning rate 1e-2 moved the weights far more than the tolerance."""
     root, _ = runs
     from dpbert.train.mesh import make_mesh
-    from dpbert.train.pretrain import abstract_state, bert_config, init_state, make_optimizer
+    from dpbert.train.pretrain import (
+        abstract_state,
+        bert_config,
+        init_state,
+        make_optimizer,
+    )
     from dpbert.train.recipe import load_recipe
 
     recipe = load_recipe(root / "one" / "recipe.yaml")  # the resolved recipe (vocabulary size set)
