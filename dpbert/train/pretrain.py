@@ -581,7 +581,8 @@ def pretrain(
 
     # --- state: restored into its shardings, or created in them
     fingerprints = {
-        "model": _fingerprint(recipe_to_dict(recipe)["model"]),
+        # remat trades memory for compute and changes no result: a resume may switch it.
+        "model": _fingerprint({k: v for k, v in recipe_to_dict(recipe)["model"].items() if k != "remat"}),
         "data": manifest.tokenizer_fingerprint[:16] + f"/{n_train}/{manifest.seq_len}",
         "optimizer": _fingerprint(recipe_to_dict(recipe)["optimizer"]),
         "seed": str(recipe.train.seed),
