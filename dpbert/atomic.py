@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -37,3 +40,21 @@ def write_text(path: str | os.PathLike[str], text: str) -> None:
 def write_json(path: str | os.PathLike[str], obj: Any, *, sort_keys: bool = True) -> None:
     """`write_text` of `obj` as indented JSON with a final newline."""
     write_text(path, json.dumps(obj, indent=2, sort_keys=sort_keys) + "\n")
+
+
+@contextmanager
+def replace_dir(path: str | os.PathLike[str]) -> Iterator[Path]:
+    """Yield an empty temporary sibling folder of `path`; when the block ends normally it
+    replaces `path` (any old folder is removed first). On any error nothing is left behind
+    and the old folder, if any, is kept."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}."))
+    try:
+        yield tmp
+        if path.exists():
+            shutil.rmtree(path)
+        os.replace(tmp, path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise

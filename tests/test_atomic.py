@@ -29,3 +29,21 @@ def test_failed_write_keeps_the_old_file_and_no_temp(tmp_path):
         write_text(path, 123)  # type: ignore[arg-type]  # not text: refused midway
     assert path.read_text() == "old"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["card.md"]
+
+
+def test_replace_dir_swaps_whole_folders_and_keeps_the_old_one_on_error(tmp_path):
+    from dpbert.atomic import replace_dir
+
+    out = tmp_path / "release"
+    with replace_dir(out) as tmp:
+        (tmp / "a.txt").write_text("one")
+    assert (out / "a.txt").read_text() == "one"
+    with pytest.raises(RuntimeError, match="boom"):
+        with replace_dir(out) as tmp:
+            (tmp / "b.txt").write_text("half")
+            raise RuntimeError("boom")
+    assert sorted(p.name for p in out.iterdir()) == ["a.txt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["release"]  # no temporary left behind
+    with replace_dir(out) as tmp:
+        (tmp / "b.txt").write_text("two")
+    assert sorted(p.name for p in out.iterdir()) == ["b.txt"]

@@ -43,7 +43,6 @@ import datetime
 import json
 import os
 import shutil
-import tempfile
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
@@ -52,7 +51,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dpbert.atomic import write_json
+from dpbert.atomic import replace_dir, write_json
 from dpbert.privacy.accounting import PrivacyLedger
 from dpbert.privacy.audit import audit_scores
 from dpbert.privacy.canaries import (
@@ -125,9 +124,7 @@ def write_canary_store(base_dir: Path, out_dir: Path, canaries: np.ndarray) -> N
     manifest = read_manifest(base_dir)
     train, evals = manifest.splits["train"], manifest.splits["eval"]
     dtype = np.dtype(manifest.dtype).newbyteorder("<")
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}."))
-    try:
+    with replace_dir(out_dir) as tmp:
         shutil.copytree(base_dir / TOKENIZER_DIR, tmp / TOKENIZER_DIR)
         shutil.copyfile(base_dir / evals.file, tmp / evals.file)
         with open(tmp / train.file, "wb") as f:
@@ -144,12 +141,6 @@ def write_canary_store(base_dir: Path, out_dir: Path, canaries: np.ndarray) -> N
         }
         data["splits"]["eval"] = dataclasses.asdict(evals)
         (tmp / MANIFEST).write_text(json.dumps(data, indent=2, sort_keys=True))
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        os.replace(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
 
 
 def pseudo_log_likelihood(hf_dir: Path, sequences: np.ndarray, *, mask_id: int, batch_size: int = 256) -> np.ndarray:

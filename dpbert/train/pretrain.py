@@ -52,7 +52,6 @@ import math
 import os
 import signal
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -65,7 +64,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh
 
-from dpbert.atomic import write_json
+from dpbert.atomic import replace_dir, write_json
 from dpbert.data.masking import example_mask_key, mask_tokens
 from dpbert.data.store import TokenStore, prepare_store
 from dpbert.data.tokenizer import load_tokenizer
@@ -752,18 +751,9 @@ def _progress_bar(total: int, initial: int, *, enabled: bool) -> Any:
 
 def _write_hf(model: BertForMaskedLM, tokenizer: Any, out: Path) -> None:
     """The final model and its tokenizer as a Hugging Face folder (atomic: temp sibling, rename)."""
-    import shutil
-
-    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}."))
-    try:
+    with replace_dir(out) as tmp:
         model.save_pretrained(str(tmp))
         tokenizer.save_pretrained(str(tmp))
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
 
 
 def _export_release(run_dir: Path, *, private: bool) -> Path:
