@@ -104,10 +104,17 @@ def test_every_layer_mode_equals_per_example_grads_one_by_one(setup, layer_mode)
 def test_mixed_mode_picks_the_cheaper_form_per_shape():
     from dpbert.privacy.ghost_clipping import dense_layer_mode
 
-    # Long sequences: the per-example gradient (T d_in d_out) beats Gram matrices (T^2 (d_in + d_out)).
-    assert dense_layer_mode("mixed", 128, 768, 3072) == "instantiate"
-    # Few positions (the MLM head at P masked positions) and wide layers: ghost norms.
-    assert dense_layer_mode("mixed", 4, 1024, 4096) == "ghost"
+    # Accelerators, by flops. Long sequences: the per-example gradient (T d_in d_out) beats Gram
+    # matrices (T^2 (d_in + d_out)); few positions (the MLM head at P masked positions): ghost norms.
+    assert dense_layer_mode("mixed", 128, 768, 3072, backend="tpu") == "instantiate"
+    assert dense_layer_mode("mixed", 4, 1024, 4096, backend="gpu") == "ghost"
+    # CPU, as measured: base's 768 x 3072 pair by ghost norms, its 768 x 768 layers and every
+    # layer of mini (256 x 1024) instantiated.
+    assert dense_layer_mode("mixed", 128, 768, 3072, backend="cpu") == "ghost"
+    assert dense_layer_mode("mixed", 128, 3072, 768, backend="cpu") == "ghost"
+    assert dense_layer_mode("mixed", 128, 768, 768, backend="cpu") == "instantiate"
+    assert dense_layer_mode("mixed", 128, 256, 1024, backend="cpu") == "instantiate"
+    assert dense_layer_mode("mixed", 20, 768, 768, backend="cpu") == "ghost"
     assert dense_layer_mode("ghost", 128, 768, 3072) == "ghost"
     with pytest.raises(ValueError, match="layer_mode"):
         MLMGhostLoss(graphdef=nnx.graphdef(nnx.Linear(2, 2, rngs=nnx.Rngs(0))), layer_mode="fast")
