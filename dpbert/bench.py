@@ -1,7 +1,7 @@
 """Throughput and memory of a DP-SGD step of BERT, next to the non-private step and the peers.
 
-`run_bench(model="tiny", batch=32, ...)` times, on one BERT masked-LM configuration at
-sequence length 128 (20 decoded positions per example):
+`run_bench(model="tiny", ...)` times, on one BERT masked-LM configuration at sequence length
+128 (20 decoded positions per example) and a batch of `DEFAULT_BATCH[model]` unless given:
 - dpbert non-private steps (`make_train_step`: the plain gradient of the mean loss, in one
   batched pass and accumulated over micro-batches of the DP size); the best of the two is the
   denominator of the DP / non-private ratio;
@@ -10,7 +10,9 @@ sequence length 128 (20 decoded positions per example):
 - PyTorch non-private step of transformers' `BertForMaskedLM` with the same config, and Opacus
   DP steps (grad_sample_mode "hooks" and "ghost"; ghost refuses the tied
   decoder: "Parameter tying is not supported") on it, with `torch.set_num_threads` equal
-  to the CPU count XLA's CPU backend uses. Each peer that is missing or fails says why.
+  to the CPU count XLA's CPU backend uses. Each peer that is missing or fails says why;
+- the noise draw of one DP step alone (one Gaussian per parameter: a fixed cost per step,
+  which larger batches amortize), reported in ms and as a fraction of the DP step.
 
 Units: examples per second (best of `steps` timed steps after one warm-up; the rows take turns
 step by step, so a change of machine load hits all of them alike), ratios of those
@@ -82,16 +84,23 @@ def _time_round_robin(runs: dict[str, Callable[[], Any]], steps: int) -> dict[st
 
 NONPRIVATE_ROWS = ("dpbert non-private (one pass)", "dpbert non-private (micro-batches)")
 DP_ROWS = ("dpbert DP (vmap)", "dpbert DP (ghost)")
+NOISE_ROW = "noise draw"
+# Default batch per model: DP-SGD trains with large batches (the paper's reach millions), and
+# the per-step costs (noise, optimizer update) are amortized over them. base stays at 16 so
+# that Opacus's per-example gradients (16 x 92M floats) fit a 24 GiB machine.
+DEFAULT_BATCH = {"tiny": 64, "mini": 64, "base": 16}
+DEFAULT_MICROBATCH = 4
 
 
 def _jax_rows(model: str, batch: int, microbatch: int, steps: int, dtype: Any, layer_mode: str, remat: bool,
-              vmap: bool) -> tuple[dict[str, float], Any]:
+              vmap: bool) -> tuple[dict[str, float], float, Any]:
     from flax import nnx
 
     from dpbert.model import functional
     from dpbert.model.bert import BertForMaskedLM
     from dpbert.privacy.dp_step import make_dp_train_step, make_train_step
     from dpbert.privacy.ghost_clipping import MLMGhostLoss
+    from dpbert.privacy.noise import privatize
 
     net = BertForMaskedLM(bert_config(model), rngs=nnx.Rngs(0), dtype=dtype, remat=remat)
     graphdef, params = functional.split_params(net)
@@ -111,14 +120,18 @@ def _jax_rows(model: str, batch: int, microbatch: int, steps: int, dtype: Any, l
             microbatch_size=microbatch, donate=False, clipping_method=method,
         )
     state = (params, optimizer.init(params))
-    seconds = _time_round_robin(
-        {name: (lambda step=step: step(*state, data, padding, jax.random.key(0))) for name, step in steps_fns.items()},
-        steps,
-    )
+    runs = {name: (lambda step=step: step(*state, data, padding, jax.random.key(0))) for name, step in steps_fns.items()}
+    # The Gaussian noise of one step on its own: a fixed cost per step (one normal per parameter),
+    # whatever the batch, so DP-SGD's large batches amortize it.
+    noise = jax.jit(lambda p: privatize(p, jax.random.key(1), clip_norm=1.0, noise_multiplier=1.0,
+                                        expected_batch_size=batch))
+    runs[NOISE_ROW] = lambda: noise(params)
+    seconds = _time_round_robin(runs, steps)
+    noise_s = seconds.pop(NOISE_ROW)
     rows: dict[str, float] = {name: batch / sec for name, sec in seconds.items()}
     if not vmap:
         rows["dpbert DP (vmap)"] = "skipped: --no-vmap"
-    return rows, (loss, optimizer, params)
+    return rows, noise_s, (loss, optimizer, params)
 
 
 def dp_step_peak_bytes(loss: Any, optimizer: Any, params: Any, *, expected_batch: int, microbatch: int,
@@ -231,16 +244,20 @@ def _opacus_rate(model: str, mode: str, ids: Any, mask: Any, labels: Any, extra:
         return f"failed: {type(err).__name__}: {str(err).splitlines()[0][:120] if str(err) else ''}"
 
 
-def run_bench(*, model: str = "tiny", batch: int = 32, microbatch: int = 8, steps: int = 3,
+def run_bench(*, model: str = "tiny", batch: int | None = None, microbatch: int = DEFAULT_MICROBATCH, steps: int = 3,
               bfloat16: bool = False, peers: bool = True, memory: bool = True, layer_mode: str = "mixed",
               remat: bool = False, vmap: bool = True) -> dict[str, Any]:
-    """Run the benchmark; returns the rows (examples/s or a reason) and the headline ratios."""
+    """Run the benchmark; returns the rows (examples/s or a reason) and the headline ratios.
+    `batch` defaults to DEFAULT_BATCH[model]."""
+    if model not in MODELS:
+        raise ValueError(f"model: expected one of {sorted(MODELS)}, got {model!r}")
+    batch = DEFAULT_BATCH[model] if batch is None else batch
     if batch < 1 or microbatch < 1 or batch % microbatch:
         raise ValueError(f"batch ({batch}) must be a positive multiple of microbatch ({microbatch})")
     if steps < 1:
         raise ValueError(f"steps: expected >= 1, got {steps}")
     dtype = jnp.bfloat16 if bfloat16 else jnp.float32
-    rows, (loss, optimizer, params) = _jax_rows(model, batch, microbatch, steps, dtype, layer_mode, remat, vmap)
+    rows, noise_s, (loss, optimizer, params) = _jax_rows(model, batch, microbatch, steps, dtype, layer_mode, remat, vmap)
     threads = None
     if peers:
         torch_rows, threads = _torch_rows(model, batch, steps)
@@ -268,6 +285,7 @@ def run_bench(*, model: str = "tiny", batch: int = 32, microbatch: int = 8, step
         "xla_cpu_threads": os.cpu_count(), "torch_threads": threads,
         "examples_per_s": rows, "best_dp": best_dp_name, "best_nonprivate": best_np_name,
         "peak_bytes": {str(k): v for k, v in peak.items()},
+        "noise_ms_per_step": noise_s * 1e3, "noise_fraction_of_dp_step": noise_s * best_dp / batch,
         "dp_over_nonprivate": best_dp / nonprivate,
         "over_opacus": best_dp / max(opacus) if opacus else None,
         "nonprivate_over_torch": nonprivate / torch_np if isinstance(torch_np, float) else None,
@@ -290,6 +308,8 @@ def format_table(result: dict[str, Any]) -> str:
     fmt = lambda v: "n/a" if v is None else f"{v:.3f}"  # noqa: E731
     lines += [
         f"best DP path: {result['best_dp']}; best non-private: {result['best_nonprivate']}",
+        f"noise draw: {result['noise_ms_per_step']:.1f} ms per step, {100 * result['noise_fraction_of_dp_step']:.1f}% "
+        "of the best DP step (fixed per step: amortized by larger batches)",
         f"best DP / best non-private:     {fmt(result['dp_over_nonprivate'])}   (target >= 0.95)",
         f"dpbert DP / best Opacus DP:     {fmt(result['over_opacus'])}   (target >= 2.5)",
         f"dpbert / torch non-private:     {fmt(result['nonprivate_over_torch'])}   (target >= 1.0)",

@@ -308,8 +308,9 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--model", choices=["tiny", "mini", "base"], default="tiny",
                    help="tiny 2x128, mini 4x256, base 12x768; vocab 8192, seq len 128 (default: tiny)")
-    p.add_argument("--batch", type=int, default=32, help="examples per step (default: 32)")
-    p.add_argument("--microbatch", type=int, default=8, help="DP micro-batch size (default: 8)")
+    p.add_argument("--batch", type=int, default=None,
+                   help="examples per step (default: 64 for tiny and mini, 16 for base)")
+    p.add_argument("--microbatch", type=int, default=4, help="DP micro-batch size (default: 4)")
     p.add_argument("--steps", type=int, default=3, help="timed steps per row after one warm-up (default: 3)")
     p.add_argument("--bfloat16", action="store_true", help="bfloat16 compute (float32 parameters and sums)")
     p.add_argument("--layer-mode", choices=["mixed", "ghost", "instantiate"], default="mixed",
