@@ -10,7 +10,7 @@ vocabulary 8192, with the same physical batch and micro-batch:
   batch itself, which is O(B) by nature), and their ratios;
 - seconds per Poisson sample call at N = 500,000,000, B = 2,097,152.
 
-Run: `python benchmarks/dp_step.py [--steps 3] [--batch 32] [--microbatch 8]`.
+Run: `python benchmarks/dp_step.py [--steps 3] [--batch 64] [--microbatch 4]` (defaults as `dpbert bench`).
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import numpy as np
 from flax import nnx
 from transformers import BertConfig
 
+from dpbert.bench import DEFAULT_BATCH, DEFAULT_MICROBATCH
 from dpbert.model import functional
 from dpbert.model.bert import BertForMaskedLM
 from dpbert.privacy import (
@@ -101,8 +102,8 @@ def compiled_memory(loss_fn, params, opt, expected: int, microbatch: int) -> tup
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--batch", type=int, default=16, help="physical batch for throughput")
-    parser.add_argument("--microbatch", type=int, default=8)
+    parser.add_argument("--batch", type=int, default=DEFAULT_BATCH["mini"], help="physical batch for throughput")
+    parser.add_argument("--microbatch", type=int, default=DEFAULT_MICROBATCH)
     args = parser.parse_args()
     print(f"devices: {jax.devices()}")
     pad = jnp.zeros(args.batch, bool)
