@@ -199,7 +199,7 @@ def _weighted_outer(a: jax.Array, g: jax.Array, w: jax.Array) -> jax.Array:
 def _weighted_example_sum(x: jax.Array, w: jax.Array) -> jax.Array:
     """sum_i w_i x_i over the leading (example) axis, as one elementwise loop over x (on XLA CPU a
     reduce over the leading axis, or a dot with a contraction of M, runs 2-1000x slower)."""
-    return sum(w[i] * x[i] for i in range(1, x.shape[0])) + w[0] * x[0]
+    return sum((w[i] * x[i] for i in range(1, x.shape[0])), w[0] * x[0])
 
 
 def _sq(x: jax.Array) -> jax.Array:
