@@ -101,6 +101,7 @@ def _jax_rows(model: str, batch: int, microbatch: int, steps: int, dtype: Any, l
     from dpbert.privacy.dp_step import make_dp_train_step, make_train_step
     from dpbert.privacy.ghost_clipping import MLMGhostLoss
     from dpbert.privacy.noise import privatize
+    from dpbert.privacy.randomness import noise_key, step_key
 
     net = BertForMaskedLM(bert_config(model), rngs=nnx.Rngs(0), dtype=dtype, remat=remat)
     graphdef, params = functional.split_params(net)
@@ -123,8 +124,8 @@ def _jax_rows(model: str, batch: int, microbatch: int, steps: int, dtype: Any, l
     runs = {name: (lambda step=step: step(*state, data, padding, jax.random.key(0))) for name, step in steps_fns.items()}
     # The Gaussian noise of one step on its own: a fixed cost per step (one normal per parameter),
     # whatever the batch, so DP-SGD's large batches amortize it.
-    noise = jax.jit(lambda p: privatize(p, jax.random.key(1), clip_norm=1.0, noise_multiplier=1.0,
-                                        expected_batch_size=batch))
+    noise = jax.jit(lambda p: privatize(p, noise_key(step_key(jax.random.key(1), 0)), clip_norm=1.0,
+                                        noise_multiplier=1.0, expected_batch_size=batch))
     runs[NOISE_ROW] = lambda: noise(params)
     seconds = _time_round_robin(runs, steps)
     noise_s = seconds.pop(NOISE_ROW)

@@ -17,11 +17,12 @@ What it measures (all from XLA, per device):
   temporaries) at the chosen stage's physical batch, micro-batches scanned on each device;
 - FLOPs: XLA's cost analysis (per device) counts a loop body once, whatever its trip count
   (checked here on jax 0.10: a step with 1 and with 8 micro-batches per device report the
-  same FLOPs), so the step's count is one micro-batch plus what runs once per step; the
-  optimizer update is compiled alone to separate the two. FLOPs per example = (step -
-  update) / microbatch_size (the noise draw, once per step, is counted in it: it is
-  negligible next to a micro-batch of BERT); FLOPs per step = physical batch x FLOPs per
-  example + devices x update. Padding rows cost as much as real ones and are counted.
+  same FLOPs), so the step's count is one micro-batch plus what runs once per step; what
+  runs once per step (the optimizer update, and the noise draw of a DP step: one Gaussian
+  per parameter, whose unrolled Threefry rounds XLA counts in full) is compiled alone to
+  separate the two. FLOPs per example = (step - once per step) / microbatch_size; FLOPs per
+  step = physical batch x FLOPs per example + devices x once per step
+  (`update_flops_per_device`). Padding rows cost as much as real ones and are counted.
   Collectives are not FLOPs. `analytic_flops_per_example` is an independent check.
 
 The throughput model is an ESTIMATE, never a measurement: time per step = FLOPs per step /
@@ -43,6 +44,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
+from dpbert.privacy import randomness
+from dpbert.privacy.noise import privatize
 from dpbert.train.mesh import batch_sharding, bytes_per_device, replicated
 from dpbert.train.recipe import Recipe
 
@@ -223,15 +226,18 @@ def compile_step(
     full = step.lower(*args_state, *batch_args(physical), key_arg).compile()
     memory = full.memory_analysis()
 
-    def update(params: Any, opt_state: Any, grads: Any) -> tuple[Any, Any]:
+    def update(params: Any, opt_state: Any, grads: Any, key: jax.Array) -> tuple[Any, Any]:
         import optax
 
+        if recipe.privacy.enabled:
+            grads = privatize(grads, randomness.noise_key(key), clip_norm=recipe.privacy.clip_norm,
+                              noise_multiplier=1.0, expected_batch_size=stage.expected_batch_size)
         updates, opt_state = optimizer.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state
 
-    update_c = jax.jit(update, in_shardings=(params_sh, opt_sh, params_sh), out_shardings=(params_sh, opt_sh)).lower(
-        args_state[0], args_state[1], args_state[0]
-    ).compile()
+    update_c = jax.jit(
+        update, in_shardings=(params_sh, opt_sh, params_sh, replicated(mesh)), out_shardings=(params_sh, opt_sh)
+    ).lower(args_state[0], args_state[1], args_state[0], key_arg).compile()
     compile_seconds = time.perf_counter() - started
     update_flops = _flops(update_c)
     per_example = max(_flops(full) - update_flops, 0.0) / mb
