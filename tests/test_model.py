@@ -24,7 +24,7 @@ from dpbert.model import (
     mlm_logits,
     split_params,
 )
-from dpbert.model.bert import dot_product_attention, dropout
+from dpbert.model.bert import dot_product_attention, dropout, gelu
 
 ATOL = 1e-4
 
@@ -271,6 +271,18 @@ def test_dropout_rate_and_rescaling():
     assert 0.08 < float(jnp.mean(dropped == 0.0)) < 0.12
     np.testing.assert_allclose(dropped[dropped != 0.0], 1.0 / 0.9, rtol=1e-6)
     np.testing.assert_array_equal(dropout(jnp.ones((5,)), 0.1, None), 1.0)
+
+
+def test_gelu_matches_pytorch_values_and_gradient():
+    # Exact GELU in PyTorch's erf form, checked against float64 over the range activations reach.
+    x = np.linspace(-12.0, 12.0, 20001, dtype=np.float32)
+    ref = torch.nn.functional.gelu(torch.from_numpy(x).double())
+    np.testing.assert_allclose(jax.jit(gelu)(x), ref.numpy(), atol=2e-6, rtol=0)
+    xt = torch.from_numpy(x).double().requires_grad_()
+    torch.nn.functional.gelu(xt).sum().backward()
+    np.testing.assert_allclose(jax.jit(jax.grad(lambda v: jnp.sum(gelu(v))))(x), xt.grad.numpy(), atol=2e-6, rtol=0)
+    # The tanh approximation is a different function (up to ~5e-4 away), so the test can tell.
+    assert np.max(np.abs(jax.nn.gelu(x, approximate=True) - ref.numpy())) > 1e-4
 
 
 def test_materialised_attention_path_equals_fused_path():

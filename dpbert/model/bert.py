@@ -38,9 +38,18 @@ from transformers import BertConfig
 
 from dpbert.model import hf_io
 
+def gelu(x: jax.Array) -> jax.Array:
+    """Exact GELU, x Phi(x), in the form PyTorch and BERT compute it: 0.5 x (1 + erf(x / sqrt 2)).
+
+    Same float32 accuracy as `jax.nn.gelu(approximate=False)` in absolute terms (max error
+    ~1e-6 against float64), whose erfc form compiles to ~6x more work on CPU.
+    """
+    return 0.5 * x * (1.0 + jax.lax.erf(x * 0.7071067811865476))
+
+
 # transformers' ACT2FN names for the activations BERT checkpoints use.
 ACTIVATIONS: dict[str, Callable[[jax.Array], jax.Array]] = {
-    "gelu": functools.partial(jax.nn.gelu, approximate=False),
+    "gelu": gelu,
     "gelu_new": functools.partial(jax.nn.gelu, approximate=True),
     "gelu_pytorch_tanh": functools.partial(jax.nn.gelu, approximate=True),
     "gelu_fast": functools.partial(jax.nn.gelu, approximate=True),
