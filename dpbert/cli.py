@@ -311,7 +311,7 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--batch", type=int, default=None,
                    help="examples per step (default: 64 for tiny and mini, 16 for base)")
     p.add_argument("--microbatch", type=int, default=4, help="DP micro-batch size (default: 4)")
-    p.add_argument("--steps", type=int, default=3, help="timed steps per row after one warm-up (default: 3)")
+    p.add_argument("--steps", type=int, help="timed steps per row after one warm-up (default: 10 tiny/mini, 3 base)")
     p.add_argument("--bfloat16", action="store_true", help="bfloat16 compute (float32 parameters and sums)")
     p.add_argument("--layer-mode", choices=["mixed", "ghost", "instantiate"], default="mixed",
                    help="how ghost clipping clips each dense kernel (default: mixed, the cheaper per layer)")
