@@ -5,7 +5,6 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-
 from scipy import stats
 
 from dpbert.privacy import (

@@ -38,6 +38,7 @@ from transformers import BertConfig
 
 from dpbert.model import hf_io
 
+
 def gelu(x: jax.Array) -> jax.Array:
     """Exact GELU, x Phi(x), in the form PyTorch and BERT compute it: 0.5 x (1 + erf(x / sqrt 2)).
 
