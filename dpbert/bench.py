@@ -14,8 +14,9 @@
 - the noise draw of one DP step alone (one Gaussian per parameter: a fixed cost per step,
   which larger batches amortize), reported in ms and as a fraction of the DP step.
 
-Units: examples per second (best of `steps` timed steps after one warm-up; the rows take turns
-step by step, so a change of machine load hits all of them alike), ratios of those
+Units: examples per second (best of `steps` timed steps after one warm-up; all rows, the
+PyTorch and Opacus ones included, take turns step by step, so a change of machine load hits
+all of them alike), ratios of those
 within one run, and peak memory from XLA's compiled memory analysis of the DP step
 (parameters, optimizer state, outputs and temporaries; the input batch arrays themselves are
 excluded, since they grow with any batch by construction). Models: tiny = 2 layers x 128,
@@ -85,6 +86,8 @@ def _time_round_robin(runs: dict[str, Callable[[], Any]], steps: int) -> dict[st
 NONPRIVATE_ROWS = ("dpbert non-private (one pass)", "dpbert non-private (micro-batches)")
 DP_ROWS = ("dpbert DP (vmap)", "dpbert DP (ghost)")
 NOISE_ROW = "noise draw"
+PEER_ROWS = ("torch non-private", "opacus DP", "opacus DP (hooks)", "opacus DP (ghost)")
+ROWS = NONPRIVATE_ROWS + DP_ROWS + PEER_ROWS
 # Default batch per model: DP-SGD trains with large batches (the paper's reach millions), and
 # the per-step costs (noise, optimizer update) are amortized over them. base stays at 16 so
 # that Opacus's per-example gradients (16 x 92M floats) fit a 24 GiB machine.
@@ -96,8 +99,10 @@ DEFAULT_MICROBATCH = 4
 DEFAULT_STEPS = {"tiny": 10, "mini": 10, "base": 3}
 
 
-def _jax_rows(model: str, batch: int, microbatch: int, steps: int, dtype: Any, layer_mode: str, remat: bool,
-              vmap: bool) -> tuple[dict[str, float], float, Any]:
+def _jax_runs(model: str, batch: int, microbatch: int, dtype: Any, layer_mode: str, remat: bool,
+              vmap: bool) -> tuple[dict[str, Callable[[], Any]], dict[str, str], Any]:
+    """One step callable per dpbert row (and the noise draw alone), the reason of each row that
+    does not run, and (loss, optimizer, params) for the memory analysis."""
     from flax import nnx
 
     from dpbert.model import functional
@@ -114,7 +119,7 @@ def _jax_rows(model: str, batch: int, microbatch: int, steps: int, dtype: Any, l
     data = {k: jnp.asarray(v) for k, v in _data(batch).items()}
     padding = jnp.zeros((batch,), jnp.bool_)
     # The best non-private step of dpbert: the plain gradient of the mean loss, in one batched
-    # pass, and accumulated over micro-batches of the DP step's size (often faster on CPU caches).
+    # pass, and accumulated over micro-batches of the DP size (often faster on CPU caches).
     steps_fns = {
         NONPRIVATE_ROWS[0]: make_train_step(loss, optimizer, microbatch_size=batch, donate=False),
         NONPRIVATE_ROWS[1]: make_train_step(loss, optimizer, microbatch_size=microbatch, donate=False),
@@ -131,12 +136,8 @@ def _jax_rows(model: str, batch: int, microbatch: int, steps: int, dtype: Any, l
     noise = jax.jit(lambda p: privatize(p, noise_key(step_key(jax.random.key(1), 0)), clip_norm=1.0,
                                         noise_multiplier=1.0, expected_batch_size=batch))
     runs[NOISE_ROW] = lambda: noise(params)
-    seconds = _time_round_robin(runs, steps)
-    noise_s = seconds.pop(NOISE_ROW)
-    rows: dict[str, float] = {name: batch / sec for name, sec in seconds.items()}
-    if not vmap:
-        rows["dpbert DP (vmap)"] = "skipped: --no-vmap"
-    return rows, noise_s, (loss, optimizer, params)
+    notes = {} if vmap else {"dpbert DP (vmap)": "skipped: --no-vmap"}
+    return runs, notes, (loss, optimizer, params)
 
 
 def dp_step_peak_bytes(loss: Any, optimizer: Any, params: Any, *, expected_batch: int, microbatch: int,
@@ -160,12 +161,14 @@ def dp_step_peak_bytes(loss: Any, optimizer: Any, params: Any, *, expected_batch
                - stats.alias_size_in_bytes - batch_bytes)
 
 
-def _torch_rows(model: str, batch: int, steps: int) -> tuple[dict[str, float | str], int | None]:
+def _torch_runs(model: str, batch: int) -> tuple[dict[str, Callable[[], Any]], dict[str, str], int | None]:
+    """One step callable per PyTorch / Opacus row that runs (each already warmed up), the reason
+    of each row that does not, and the torch thread count (None without torch)."""
     try:
         import torch
         from transformers import BertForMaskedLM as TorchBert
     except ImportError as err:
-        return {"torch non-private": f"skipped: {err}"}, None
+        return {}, {"torch non-private": f"skipped: {err}"}, None
     threads = os.cpu_count() or 1  # XLA's CPU backend uses every core
     torch.set_num_threads(threads)
     torch.manual_seed(0)
@@ -179,16 +182,6 @@ def _torch_rows(model: str, batch: int, steps: int) -> tuple[dict[str, float | s
     pos = torch.from_numpy(np_data["masked_positions"]).long()
     labels.scatter_(1, pos, torch.from_numpy(np_data["labels"]).long())
 
-    def timed(step: Callable[[], None]) -> float:
-        step()
-        best = float("inf")
-        for _ in range(steps):
-            start = time.perf_counter()
-            step()
-            best = min(best, time.perf_counter() - start)
-        return batch / best
-
-    rows: dict[str, float | str] = {}
     net = TorchBert(bert_config(model)).train()
     opt = torch.optim.SGD(net.parameters(), lr=1e-4)
 
@@ -197,56 +190,61 @@ def _torch_rows(model: str, batch: int, steps: int) -> tuple[dict[str, float | s
         net(input_ids=ids, attention_mask=mask, labels=labels, **extra).loss.backward()
         opt.step()
 
-    rows["torch non-private"] = timed(plain)
+    plain()
+    runs: dict[str, Callable[[], Any]] = {"torch non-private": plain}
+    notes: dict[str, str] = {}
     try:
         import opacus  # noqa: F401
     except ImportError as err:
-        rows["opacus DP"] = f"skipped: {err}"
-        return rows, threads
+        notes["opacus DP"] = f"skipped: {err}"
+        return runs, notes, threads
     for mode in ("hooks", "ghost"):
-        rows[f"opacus DP ({mode})"] = _opacus_rate(model, mode, ids, mask, labels, extra, timed)
-    return rows, threads
+        name = f"opacus DP ({mode})"
+        try:
+            runs[name] = _opacus_step(model, mode, ids, mask, labels, extra)
+            runs[name]()
+        except Exception as err:  # a peer mode that does not support BERT is reported, not fatal
+            runs.pop(name, None)
+            notes[name] = f"failed: {type(err).__name__}: {str(err).splitlines()[0][:120] if str(err) else ''}"
+    return runs, notes, threads
 
 
-def _opacus_rate(model: str, mode: str, ids: Any, mask: Any, labels: Any, extra: dict, timed: Callable) -> float | str:
+def _opacus_step(model: str, mode: str, ids: Any, mask: Any, labels: Any, extra: dict) -> Callable[[], None]:
     import torch
     from opacus import PrivacyEngine
     from transformers import BertForMaskedLM as TorchBert
 
-    try:
-        torch.manual_seed(0)
-        net = TorchBert(bert_config(model)).train()
-        # The head's `bias` is an alias of decoder.bias; as a bare parameter of the head module it
-        # sends Opacus to its functorch fallback, which fails on this torch. Same tensor, kept once.
-        if net.cls.predictions.bias is net.cls.predictions.decoder.bias:
-            del net.cls.predictions.bias
-        opt = torch.optim.SGD(net.parameters(), lr=1e-4)
-        loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(ids, mask, labels), batch_size=len(ids))
-        criterion = torch.nn.CrossEntropyLoss(reduction="mean")
-        engine = PrivacyEngine()
-        made = engine.make_private(
-            module=net, optimizer=opt, data_loader=loader, noise_multiplier=1.0, max_grad_norm=1.0,
-            poisson_sampling=False, grad_sample_mode=mode, criterion=criterion,
-        )
-        module, dp_opt = made[0], made[1]
-        vocab = net.config.vocab_size
+    torch.manual_seed(0)
+    net = TorchBert(bert_config(model)).train()
+    # The head's `bias` is an alias of decoder.bias; as a bare parameter of the head module it
+    # sends Opacus to its functorch fallback, which fails on this torch. Same tensor, kept once.
+    if net.cls.predictions.bias is net.cls.predictions.decoder.bias:
+        del net.cls.predictions.bias
+    opt = torch.optim.SGD(net.parameters(), lr=1e-4)
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(ids, mask, labels), batch_size=len(ids))
+    criterion = torch.nn.CrossEntropyLoss(reduction="mean")
+    engine = PrivacyEngine()
+    made = engine.make_private(
+        module=net, optimizer=opt, data_loader=loader, noise_multiplier=1.0, max_grad_norm=1.0,
+        poisson_sampling=False, grad_sample_mode=mode, criterion=criterion,
+    )
+    module, dp_opt = made[0], made[1]
+    vocab = net.config.vocab_size
 
-        def step() -> None:
-            dp_opt.zero_grad(set_to_none=True)
-            logits = module(input_ids=ids, attention_mask=mask, **extra).logits
-            flat = (logits.reshape(-1, vocab), labels.reshape(-1))
-            if mode == "ghost":
-                # Per-example mean over the masked tokens (ignore_index), as in dpbert's loss.
-                made[2](*flat, shape=labels.shape).backward()
-            else:
-                per_token = torch.nn.functional.cross_entropy(*flat, reduction="none").reshape(labels.shape)
-                per_example = per_token.sum(1) / (labels != -100).sum(1).clamp(min=1)
-                per_example.mean().backward()
-            dp_opt.step()
+    def step() -> None:
+        dp_opt.zero_grad(set_to_none=True)
+        logits = module(input_ids=ids, attention_mask=mask, **extra).logits
+        flat = (logits.reshape(-1, vocab), labels.reshape(-1))
+        if mode == "ghost":
+            # Per-example mean over the masked tokens (ignore_index), as in dpbert's loss.
+            made[2](*flat, shape=labels.shape).backward()
+        else:
+            per_token = torch.nn.functional.cross_entropy(*flat, reduction="none").reshape(labels.shape)
+            per_example = per_token.sum(1) / (labels != -100).sum(1).clamp(min=1)
+            per_example.mean().backward()
+        dp_opt.step()
 
-        return timed(step)
-    except Exception as err:  # a peer mode that does not support BERT is reported, not fatal
-        return f"failed: {type(err).__name__}: {str(err).splitlines()[0][:120] if str(err) else ''}"
+    return step
 
 
 def run_bench(*, model: str = "tiny", batch: int | None = None, microbatch: int = DEFAULT_MICROBATCH,
@@ -263,11 +261,17 @@ def run_bench(*, model: str = "tiny", batch: int | None = None, microbatch: int 
     if steps < 1:
         raise ValueError(f"steps: expected >= 1, got {steps}")
     dtype = jnp.bfloat16 if bfloat16 else jnp.float32
-    rows, noise_s, (loss, optimizer, params) = _jax_rows(model, batch, microbatch, steps, dtype, layer_mode, remat, vmap)
+    runs, notes, (loss, optimizer, params) = _jax_runs(model, batch, microbatch, dtype, layer_mode, remat, vmap)
     threads = None
     if peers:
-        torch_rows, threads = _torch_rows(model, batch, steps)
-        rows.update(torch_rows)
+        torch_runs, torch_notes, threads = _torch_runs(model, batch)
+        runs.update(torch_runs)
+        notes.update(torch_notes)
+    # Every row, PyTorch and Opacus included, takes its turn in the same round robin.
+    seconds = _time_round_robin(runs, steps)
+    noise_s = seconds.pop(NOISE_ROW)
+    measured = {name: batch / sec for name, sec in seconds.items()} | notes
+    rows: dict[str, float | str] = {name: measured[name] for name in ROWS if name in measured}
     best_np_name = max(NONPRIVATE_ROWS, key=rows.get)
     nonprivate = rows[best_np_name]
     best_dp_name = max((k for k in DP_ROWS if isinstance(rows[k], float)), key=rows.get)
