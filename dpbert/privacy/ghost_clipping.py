@@ -279,8 +279,11 @@ class MLMGhostLoss:
         total = _sq(g)
         total += _sq(jnp.einsum("mtk,mth->mkh", jax.nn.one_hot(types, n_types, dtype=_F32), g))
         total += _sq(jnp.sum(e, axis=1))  # MLM bias
-        same = (ids[:, :, None] == ids[:, None, :]).astype(_F32)  # tokens sharing a table row
-        word_in = jnp.sum(same * jnp.einsum("mth,msh->mts", g, g), axis=(1, 2))
+        # Each word-table row receives the sum of its tokens' gradients: add every token's gradient
+        # at its id's first position (an L x L id comparison and a scatter; the L^2 H Gram of g
+        # it replaces took 1.6x longer on CPU for tiny BERT).
+        first = jnp.argmax(ids[:, :, None] == ids[:, None, :], axis=2)
+        word_in = _sq(jnp.zeros_like(g).at[jnp.arange(g.shape[0])[:, None], first].add(g))
         # The decoder decodes only the P masked positions: its ghost norm (P^2 (H + V)) is far
         # cheaper than a [V, H] gradient per example.
         decoder = _ghost_sq_norm(x, e)
