@@ -6,7 +6,8 @@
   batched pass and accumulated over micro-batches of the DP size); the best of the two is the
   denominator of the DP / non-private ratio;
 - dpbert DP step with each clipping path ("vmap": per-example gradients; "ghost": ghost norms
-  and book-keeping), micro-batches of `microbatch`;
+  and book-keeping), micro-batches of `microbatch` (or, with "auto", each row's fastest size,
+  timed on placeholder inputs by `dpbert.privacy.tuning.fastest_microbatch_size`);
 - PyTorch non-private step of transformers' `BertForMaskedLM` with the same config, and Opacus
   DP steps (grad_sample_mode "hooks" and "ghost"; ghost refuses the tied
   decoder: "Parameter tying is not supported") on it, with `torch.set_num_threads` equal
@@ -99,16 +100,18 @@ DEFAULT_MICROBATCH = 4
 DEFAULT_STEPS = {"tiny": 10, "mini": 10, "base": 3}
 
 
-def _jax_runs(model: str, batch: int, microbatch: int, dtype: Any, layer_mode: str, remat: bool,
-              vmap: bool) -> tuple[dict[str, Callable[[], Any]], dict[str, str], Any]:
+def _jax_runs(model: str, batch: int, microbatch: int | str, dtype: Any, layer_mode: str, remat: bool,
+              vmap: bool) -> tuple[dict[str, Callable[[], Any]], dict[str, str], dict[str, int], Any]:
     """One step callable per dpbert row (and the noise draw alone), the reason of each row that
-    does not run, and (loss, optimizer, params) for the memory analysis."""
+    does not run, each row's micro-batch size, and (loss, optimizer, params) for the memory
+    analysis."""
     from flax import nnx
 
     from dpbert.model import functional
     from dpbert.model.bert import BertForMaskedLM
+    from dpbert.privacy.clipping import grad_sum
     from dpbert.privacy.dp_step import make_dp_train_step, make_train_step
-    from dpbert.privacy.ghost_clipping import MLMGhostLoss
+    from dpbert.privacy.ghost_clipping import MLMGhostLoss, clipped_sum_for
     from dpbert.privacy.noise import privatize
     from dpbert.privacy.randomness import noise_key, step_key
 
@@ -118,16 +121,23 @@ def _jax_runs(model: str, batch: int, microbatch: int, dtype: Any, layer_mode: s
     optimizer = optax.sgd(1e-4)
     data = {k: jnp.asarray(v) for k, v in _data(batch).items()}
     padding = jnp.zeros((batch,), jnp.bool_)
+    methods = ("vmap", "ghost") if vmap else ("ghost",)
+    sums = {NONPRIVATE_ROWS[1]: lambda *a, **kw: grad_sum(loss, *a, **kw)}
+    sums |= {f"dpbert DP ({m})": (lambda *a, impl=clipped_sum_for(m, loss), **kw: impl(loss, *a, clip_norm=1.0, **kw))
+             for m in methods}
+    sizes = {name: microbatch if isinstance(microbatch, int) else _fastest_microbatch(fn, params, batch)
+             for name, fn in sums.items()}
     # The best non-private step of dpbert: the plain gradient of the mean loss, in one batched
-    # pass, and accumulated over micro-batches of the DP size (often faster on CPU caches).
+    # pass, and accumulated over micro-batches (often faster on CPU caches).
     steps_fns = {
         NONPRIVATE_ROWS[0]: make_train_step(loss, optimizer, microbatch_size=batch, donate=False),
-        NONPRIVATE_ROWS[1]: make_train_step(loss, optimizer, microbatch_size=microbatch, donate=False),
+        NONPRIVATE_ROWS[1]: make_train_step(loss, optimizer, microbatch_size=sizes[NONPRIVATE_ROWS[1]], donate=False),
     }
-    for method in ("vmap", "ghost") if vmap else ("ghost",):
-        steps_fns[f"dpbert DP ({method})"] = make_dp_train_step(
+    for method in methods:
+        name = f"dpbert DP ({method})"
+        steps_fns[name] = make_dp_train_step(
             loss, optimizer, clip_norm=1.0, noise_multiplier=1.0, expected_batch_size=batch,
-            microbatch_size=microbatch, donate=False, clipping_method=method,
+            microbatch_size=sizes[name], donate=False, clipping_method=method,
         )
     state = (params, optimizer.init(params))
     runs = {name: (lambda step=step: step(*state, data, padding, jax.random.key(0))) for name, step in steps_fns.items()}
@@ -137,13 +147,24 @@ def _jax_runs(model: str, batch: int, microbatch: int, dtype: Any, layer_mode: s
                                         noise_multiplier=1.0, expected_batch_size=batch))
     runs[NOISE_ROW] = lambda: noise(params)
     notes = {} if vmap else {"dpbert DP (vmap)": "skipped: --no-vmap"}
-    return runs, notes, (loss, optimizer, params)
+    return runs, notes, sizes, (loss, optimizer, params)
+
+
+def _fastest_microbatch(sum_fn: Callable[..., Any], params: Any, batch: int) -> int:
+    """The fastest micro-batch size of `sum_fn` among the powers of two up to 32 that divide
+    `batch` and are smaller than it (the whole batch is the one-pass row), on placeholders."""
+    from dpbert.privacy.tuning import fastest_microbatch_size
+
+    candidates = [m for m in (1, 2, 4, 8, 16, 32) if m < batch and batch % m == 0] or [batch]
+    example = {k: jax.ShapeDtypeStruct(v.shape[1:], v.dtype) for k, v in _data(1).items()}
+    return fastest_microbatch_size(sum_fn, params, example, candidates=candidates)[0]
 
 
 def dp_step_peak_bytes(loss: Any, optimizer: Any, params: Any, *, expected_batch: int, microbatch: int,
                        clipping_method: str) -> int:
     """Compiled peak bytes of a DP step on `expected_batch` examples, minus the batch inputs."""
     from dpbert.privacy.dp_step import make_dp_train_step
+    from dpbert.privacy.tuning import peak_bytes
 
     step = make_dp_train_step(
         loss, optimizer, clip_norm=1.0, noise_multiplier=1.0, expected_batch_size=expected_batch,
@@ -155,10 +176,8 @@ def dp_step_peak_bytes(loss: Any, optimizer: Any, params: Any, *, expected_batch
         jax.tree_util.tree_map(shape, params), jax.tree_util.tree_map(shape, optimizer.init(params)),
         data, jax.ShapeDtypeStruct((expected_batch,), jnp.bool_), jax.random.key(0),
     )
-    stats = step.lower(*args).compile().memory_analysis()
     batch_bytes = sum(int(np.prod(v.shape)) * v.dtype.itemsize for v in data.values()) + expected_batch
-    return int(stats.argument_size_in_bytes + stats.output_size_in_bytes + stats.temp_size_in_bytes
-               - stats.alias_size_in_bytes - batch_bytes)
+    return peak_bytes(step.lower(*args).compile()) - batch_bytes
 
 
 def _torch_runs(model: str, batch: int) -> tuple[dict[str, Callable[[], Any]], dict[str, str], int | None]:
@@ -247,21 +266,25 @@ def _opacus_step(model: str, mode: str, ids: Any, mask: Any, labels: Any, extra:
     return step
 
 
-def run_bench(*, model: str = "tiny", batch: int | None = None, microbatch: int = DEFAULT_MICROBATCH,
+def run_bench(*, model: str = "tiny", batch: int | None = None, microbatch: int | str = DEFAULT_MICROBATCH,
               steps: int | None = None, bfloat16: bool = False, peers: bool = True, memory: bool = True,
               layer_mode: str = "mixed", remat: bool = False, vmap: bool = True) -> dict[str, Any]:
     """Run the benchmark; returns the rows (examples/s or a reason) and the headline ratios.
-    `batch` and `steps` default to DEFAULT_BATCH[model] and DEFAULT_STEPS[model]."""
+    `batch` and `steps` default to DEFAULT_BATCH[model] and DEFAULT_STEPS[model]; `microbatch`
+    "auto" times each micro-batched row's candidate sizes first and runs it at its fastest."""
     if model not in MODELS:
         raise ValueError(f"model: expected one of {sorted(MODELS)}, got {model!r}")
     batch = DEFAULT_BATCH[model] if batch is None else batch
     steps = DEFAULT_STEPS[model] if steps is None else steps
-    if batch < 1 or microbatch < 1 or batch % microbatch:
-        raise ValueError(f"batch ({batch}) must be a positive multiple of microbatch ({microbatch})")
+    if microbatch != "auto" and (not isinstance(microbatch, int) or microbatch < 1):
+        raise ValueError(f"microbatch: expected a positive integer or 'auto', got {microbatch!r}")
+    if batch < 1 or (microbatch != "auto" and batch % microbatch):
+        raise ValueError(f"batch: expected a positive multiple of microbatch ({microbatch}), got {batch}")
     if steps < 1:
         raise ValueError(f"steps: expected >= 1, got {steps}")
     dtype = jnp.bfloat16 if bfloat16 else jnp.float32
-    runs, notes, (loss, optimizer, params) = _jax_runs(model, batch, microbatch, dtype, layer_mode, remat, vmap)
+    runs, notes, sizes, (loss, optimizer, params) = _jax_runs(model, batch, microbatch, dtype, layer_mode, remat,
+                                                              vmap)
     threads = None
     if peers:
         torch_runs, torch_notes, threads = _torch_runs(model, batch)
@@ -283,13 +306,13 @@ def run_bench(*, model: str = "tiny", batch: int | None = None, microbatch: int 
     if memory:
         method = best_dp_name.split("(")[1].rstrip(")")
         for n in (1024, 65536):
-            peak[n] = dp_step_peak_bytes(loss, optimizer, params, expected_batch=n, microbatch=microbatch,
+            peak[n] = dp_step_peak_bytes(loss, optimizer, params, expected_batch=n, microbatch=sizes[best_dp_name],
                                          clipping_method=method)
         memory_ratio = peak[65536] / peak[1024]
     dev = jax.devices()[0]
     return {
         "model": model, "layers_hidden_heads": MODELS[model], "vocab_size": VOCAB, "seq_len": SEQ_LEN,
-        "batch": batch, "microbatch": microbatch, "dtype": "bfloat16" if bfloat16 else "float32",
+        "batch": batch, "microbatch": microbatch, "microbatch_by_row": sizes, "dtype": "bfloat16" if bfloat16 else "float32",
         "layer_mode": layer_mode, "remat": remat,
         "backend": jax.default_backend(), "device": f"{dev.platform}:{dev.device_kind}",
         "xla_cpu_threads": os.cpu_count(), "torch_threads": threads,
@@ -314,7 +337,11 @@ def format_table(result: dict[str, Any]) -> str:
         f"{'step':<36}{'examples/s':>12}",
     ]
     for name, value in result["examples_per_s"].items():
-        lines.append(f"{name:<36}{value:>12.1f}" if isinstance(value, float) else f"{name:<36}  {value}")
+        if not isinstance(value, float):
+            lines.append(f"{name:<36}  {value}")
+            continue
+        size = result["microbatch_by_row"].get(name) if result["microbatch"] == "auto" else None
+        lines.append(f"{name:<36}{value:>12.1f}" + (f"   (fastest micro-batch: {size})" if size else ""))
     fmt = lambda v: "n/a" if v is None else f"{v:.3f}"  # noqa: E731
     lines += [
         f"best DP path: {result['best_dp']}; best non-private: {result['best_nonprivate']}",

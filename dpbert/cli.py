@@ -299,6 +299,15 @@ def _add_audit(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
+def _int_or_auto(text: str) -> int | str:
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer or 'auto', got {text!r}") from None
+
+
 def _add_bench(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "bench",
@@ -310,7 +319,9 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
                    help="tiny 2x128, mini 4x256, base 12x768; vocab 8192, seq len 128 (default: tiny)")
     p.add_argument("--batch", type=int, default=None,
                    help="examples per step (default: 64 for tiny and mini, 16 for base)")
-    p.add_argument("--microbatch", type=int, default=4, help="DP micro-batch size (default: 4)")
+    p.add_argument("--microbatch", type=_int_or_auto, default=4,
+                   help="micro-batch size of the DP and micro-batched non-private rows, or 'auto': each row's "
+                   "fastest, timed on placeholder inputs (default: 4)")
     p.add_argument("--steps", type=int, help="timed steps per row after one warm-up (default: 10 tiny/mini, 3 base)")
     p.add_argument("--bfloat16", action="store_true", help="bfloat16 compute (float32 parameters and sums)")
     p.add_argument("--layer-mode", choices=["mixed", "ghost", "instantiate"], default="mixed",

@@ -171,6 +171,32 @@ def test_auto_microbatch_size_is_largest_that_fits():
         auto_microbatch_size(loss, params, example, memory_budget_bytes=16, clip_norm=1.0)
 
 
+def test_fastest_microbatch_size_is_the_fastest_that_fits():
+    from dpbert.privacy.tuning import fastest_microbatch_size, microbatch_peak_bytes
+
+    params = {"w": jnp.zeros((64, 64))}
+    example = {"x": jax.ShapeDtypeStruct((64,), jnp.float32)}
+
+    def loss(p, ex, rng):
+        return jnp.sum(jnp.tanh(ex["x"] @ p["w"]))
+
+    def sum_fn(p, b, pad, rng, *, microbatch_size):
+        return clipped_grad_sum(loss, p, b, pad, rng, clip_norm=1.0, microbatch_size=microbatch_size)
+
+    best, seconds = fastest_microbatch_size(sum_fn, params, example, candidates=(4, 1, 2), repeats=2)
+    assert sorted(seconds) == [1, 2, 4] and best == min(seconds, key=seconds.get)
+    assert all(s > 0 for s in seconds.values())
+    # A budget that fits a micro-batch of 2 but not 4 stops the search there.
+    budget = microbatch_peak_bytes(loss, params, example, microbatch_size=2, clip_norm=1.0)
+    assert budget < microbatch_peak_bytes(loss, params, example, microbatch_size=4, clip_norm=1.0)
+    best, seconds = fastest_microbatch_size(sum_fn, params, example, candidates=(1, 2, 4), memory_budget_bytes=budget)
+    assert sorted(seconds) == [1, 2] and best in (1, 2)
+    with pytest.raises(ValueError, match="memory_budget_bytes"):
+        fastest_microbatch_size(sum_fn, params, example, memory_budget_bytes=16)
+    with pytest.raises(ValueError, match="candidates"):
+        fastest_microbatch_size(sum_fn, params, example, candidates=(0, 2))
+
+
 def test_bfloat16_compute_keeps_float32_sum_and_the_clip_bound(setup):
     loss, params, batch, is_padding, key, per_example = setup
     config = functional.merge(loss.graphdef, params).config

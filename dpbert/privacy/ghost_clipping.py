@@ -42,6 +42,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx
 
@@ -50,6 +51,7 @@ from dpbert.model.bert import BertForMaskedLM
 from dpbert.model.functional import merge
 from dpbert.privacy.clipping import ClipStats, clip_scale, example_keys, scan_microbatches
 from dpbert.privacy.clipping import clipped_grad_sum as clipped_grad_sum_vmap
+from dpbert.privacy.tuning import best_seconds, placeholder
 
 Path = tuple[Any, ...]
 _F32 = jnp.float32
@@ -428,19 +430,11 @@ def time_clipping_methods(
     """Seconds per micro-batch of each clipping method, measured on placeholder inputs with the
     shapes of `params` and of one micro-batch of `batch` (never on private data; arrays or
     ShapeDtypeStructs are accepted). Best of `repeats` runs after one warm-up."""
-    import time
-
-    import numpy as np
-
-    def dummy(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
-        # Small non-zero floats keep every code path (softmax, norms) in its normal regime;
-        # integer inputs (token ids, positions) at zero are valid indices.
-        return np.full(shape, 0.02 if jnp.issubdtype(dtype, jnp.floating) else 0, dtype)
-
     # Concrete evaluation even when called while an outer step is being traced.
     with jax.ensure_compile_time_eval():
-        p = jax.tree_util.tree_map(lambda x: dummy(x.shape, x.dtype), params)
-        b = jax.tree_util.tree_map(lambda x: dummy((microbatch_size,) + x.shape[1:], x.dtype), batch)
+        p = jax.tree_util.tree_map(placeholder, params)
+        b = jax.tree_util.tree_map(lambda x: placeholder(jax.ShapeDtypeStruct(x.shape[1:], x.dtype), microbatch_size),
+                                   batch)
         pad = np.zeros((microbatch_size,), np.bool_)
         key = jax.random.key(0)
         seconds = {}
@@ -448,13 +442,7 @@ def time_clipping_methods(
             fn = jax.jit(
                 lambda p, b, impl=impl: impl(loss, p, b, pad, key, clip_norm=clip_norm, microbatch_size=microbatch_size)
             ).lower(p, b).compile()
-            jax.block_until_ready(fn(p, b))
-            best = float("inf")
-            for _ in range(repeats):
-                start = time.perf_counter()
-                jax.block_until_ready(fn(p, b))
-                best = min(best, time.perf_counter() - start)
-            seconds[name] = best
+            seconds[name] = best_seconds(lambda fn=fn: fn(p, b), repeats)
     return seconds
 
 

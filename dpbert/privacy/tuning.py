@@ -1,19 +1,26 @@
-"""Automatic micro-batch size: the largest that fits a memory budget, from XLA's compiled
-memory analysis (nothing is executed, no private data is read).
+"""Automatic micro-batch size, chosen without private data.
 
-`auto_microbatch_size(loss_fn, params, example, *, memory_budget_bytes, clip_norm,
-clipping_method="vmap")` compiles the clipped sum of ONE micro-batch for power-of-two sizes
-and returns the largest whose peak (arguments + outputs + temporaries) fits the budget.
+- `auto_microbatch_size(loss_fn, params, example, *, memory_budget_bytes, clip_norm,
+  clipping_method="vmap")`: the largest power of two whose compiled clipped sum over ONE
+  micro-batch fits the budget (XLA's memory analysis: nothing is executed).
+- `fastest_microbatch_size(sum_fn, params, example, *, candidates, memory_budget_bytes=None)`:
+  the candidate with the most examples/s, timed on placeholder inputs (never on private data)
+  among those that fit the budget; `sum_fn` is any clipped or plain gradient sum with the
+  signature of `dpbert.privacy.clipping.clipped_grad_sum` minus the loss.
+
 Micro-batching is a performance knob only: the clipped sum, the noise and the accounting do
 not depend on the size chosen (see `dpbert.privacy.clipping`).
 """
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 def microbatch_peak_bytes(
@@ -31,7 +38,13 @@ def microbatch_peak_bytes(
     def run(p, b, pad):
         return impl(loss_fn, p, b, pad, jax.random.key(0), clip_norm=clip_norm, microbatch_size=microbatch_size)
 
-    stats = jax.jit(run).lower(jax.tree_util.tree_map(shape, params), batch, padding).compile().memory_analysis()
+    return peak_bytes(jax.jit(run).lower(jax.tree_util.tree_map(shape, params), batch, padding).compile())
+
+
+def peak_bytes(compiled: Any) -> int:
+    """Peak bytes of a compiled function from XLA's memory analysis: arguments, outputs and
+    temporaries, donated (aliased) buffers counted once."""
+    stats = compiled.memory_analysis()
     return int(stats.argument_size_in_bytes + stats.output_size_in_bytes + stats.temp_size_in_bytes
                - stats.alias_size_in_bytes)
 
@@ -67,3 +80,58 @@ def auto_microbatch_size(
             f"memory_budget_bytes={memory_budget_bytes}: one example needs {peak} bytes; raise the budget"
         )
     return best
+
+
+def placeholder(x: Any, batch: int | None = None) -> np.ndarray:
+    """An input shaped like `x` (array or ShapeDtypeStruct; `batch` rows in front when given),
+    small non-zero floats (softmax and norms stay in their normal regime) and zero integers
+    (valid token ids and positions)."""
+    shape = tuple(x.shape) if batch is None else (batch, *x.shape)
+    return np.full(shape, 0.02 if jnp.issubdtype(x.dtype, jnp.floating) else 0, x.dtype)
+
+
+def best_seconds(fn: Callable[[], Any], repeats: int) -> float:
+    """Best wall-clock seconds of `repeats` calls of `fn` after one warm-up call."""
+    jax.block_until_ready(fn())
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(fn())
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def fastest_microbatch_size(
+    sum_fn: Callable[..., Any],
+    params: Any,
+    example: Any,
+    *,
+    candidates: Sequence[int] = (1, 2, 4, 8, 16, 32),
+    memory_budget_bytes: int | None = None,
+    repeats: int = 3,
+) -> tuple[int, dict[int, float]]:
+    """(fastest size, seconds per example of each candidate timed) for
+    `sum_fn(params, batch, is_padding, rng, microbatch_size=m)` over one micro-batch of m
+    placeholder examples shaped like `example` (one example, no batch axis). Candidates are
+    tried in increasing order and stop at the first whose compiled peak exceeds
+    `memory_budget_bytes` (None: no limit). Raises ValueError when none fits."""
+    sizes = sorted(set(candidates))
+    if not sizes or sizes[0] < 1:
+        raise ValueError(f"candidates: expected positive integers, got {list(candidates)}")
+    if memory_budget_bytes is not None and memory_budget_bytes <= 0:
+        raise ValueError(f"memory_budget_bytes: expected > 0 or None, got {memory_budget_bytes}")
+    p = jax.tree_util.tree_map(placeholder, params)
+    per_example: dict[int, float] = {}
+    for m in sizes:
+        batch = jax.tree_util.tree_map(lambda x, m=m: placeholder(x, m), example)
+        padding = np.zeros((m,), np.bool_)
+        run = jax.jit(lambda p, b, pad, m=m: sum_fn(p, b, pad, jax.random.key(0), microbatch_size=m))
+        compiled = run.lower(p, batch, padding).compile()
+        if memory_budget_bytes is not None and peak_bytes(compiled) > memory_budget_bytes:
+            break
+        per_example[m] = best_seconds(lambda: compiled(p, batch, padding), repeats) / m
+    if not per_example:
+        raise ValueError(
+            f"memory_budget_bytes={memory_budget_bytes}: a micro-batch of {sizes[0]} does not fit; raise the budget"
+        )
+    return min(per_example, key=per_example.get), per_example
