@@ -174,11 +174,12 @@ def dense_layer_mode(layer_mode: str, t: int, d_in: int, d_out: int, *, backend:
     the cheaper one for `backend` (default: JAX's default backend):
     - accelerators, by flops: instantiate when 2 d_in d_out <= T^2 (d_in + d_out) (Bu et al.,
       mixed ghost clipping);
-    - CPU, measured: XLA CPU runs the batched per-example product at about half the speed of
-      the plain weight gradient and then streams M d_in d_out fresh floats through memory, so
-      instantiate only when 2 T (d_in + d_out) >= d_in d_out (at T = 128: every layer of BERT
-      tiny and mini; ghost for every encoder layer of base, which made a base DP step at
-      batch 8 1.37x faster: 5.60 -> 4.07 s, the non-private step 3.39 s)."""
+    - CPU, measured: XLA CPU runs the batched per-example product slower than the plain
+      weight gradient (with its norm and weighted sum, M = 4, T = 128: 0.73-1.2x the speed at
+      tiny and mini shapes, 0.33-0.37x at base's FFN) and streams M d_in d_out fresh floats
+      through memory, so instantiate only when 2 T (d_in + d_out) >= d_in d_out (at T = 128:
+      every layer of BERT tiny and mini; ghost for every encoder layer of base, which made a
+      base DP step at batch 8 1.37x faster: 5.60 -> 4.07 s, the non-private step 3.39 s)."""
     if layer_mode != "mixed":
         return layer_mode
     if (backend or jax.default_backend()) == "cpu":
@@ -189,6 +190,14 @@ def dense_layer_mode(layer_mode: str, t: int, d_in: int, d_out: int, *, backend:
 def _ghost_sq_norm(a: jax.Array, g: jax.Array) -> jax.Array:
     """||a_i^T g_i||_F^2 per example from the Gram matrices of a and g."""
     return jnp.sum(jnp.einsum("mtd,msd->mts", a, a) * jnp.einsum("mtd,msd->mts", g, g), axis=(1, 2))
+
+
+def _per_example_kernels(a: jax.Array, g: jax.Array) -> jax.Array:
+    """Per-example kernel gradients a_i^T g_i, laid out [M, d_in, d_out], or [M, d_out, d_in]
+    when d_in > d_out: XLA CPU computes the batched product with the larger dimension last
+    faster (BERT tiny's FFN output, 512 -> 128, M = 4, with norm and weighted sum: 0.83 -> 0.60
+    ms; the whole ghost sum of a tiny BERT batch of 64: 400 -> 358 ms)."""
+    return jnp.einsum("mti,mto->mio" if a.shape[2] <= g.shape[2] else "mti,mto->moi", a, g)
 
 
 def _weighted_outer(a: jax.Array, g: jax.Array, w: jax.Array) -> jax.Array:
@@ -253,7 +262,7 @@ class MLMGhostLoss:
         self, params: Any, inputs: dict[str, Any], grads: dict[str, jax.Array]
     ) -> tuple[jax.Array, dict[str, jax.Array]]:
         """(squared norm [M] of each example's whole gradient, the per-example kernel gradients
-        [M, d_in, d_out] of the layers clipped by instantiation, keyed by tap name)."""
+        of the layers clipped by instantiation (`_per_example_kernels`), keyed by tap name)."""
         total = 0.0
         instantiated: dict[str, jax.Array] = {}
         for name, g in grads.items():
@@ -264,7 +273,7 @@ class MLMGhostLoss:
             if name.endswith("LayerNorm"):
                 total += _sq(jnp.sum(g * a, axis=1))
             elif dense_layer_mode(self.layer_mode, a.shape[1], a.shape[2], g.shape[2]) == "instantiate":
-                instantiated[name] = jnp.einsum("mti,mto->mio", a, g)
+                instantiated[name] = _per_example_kernels(a, g)
                 total += _sq(instantiated[name])
             else:
                 total += _ghost_sq_norm(a, g)
@@ -314,7 +323,8 @@ class MLMGhostLoss:
             if name.endswith("LayerNorm"):
                 out[path + ("scale",)] = jnp.einsum("mth,mth,m->h", a, g, w)
             elif name in instantiated:
-                out[path + ("kernel",)] = _weighted_example_sum(instantiated[name], w)
+                kernel = _weighted_example_sum(instantiated[name], w)
+                out[path + ("kernel",)] = kernel.T if a.shape[2] > g.shape[2] else kernel
             else:
                 out[path + ("kernel",)] = _weighted_outer(a, g, w)
             out[path + ("bias",)] = jnp.einsum("mto,m->o", g, w)
