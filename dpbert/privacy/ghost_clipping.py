@@ -192,6 +192,15 @@ def _ghost_sq_norm(a: jax.Array, g: jax.Array) -> jax.Array:
     return jnp.sum(jnp.einsum("mtd,msd->mts", a, a) * jnp.einsum("mtd,msd->mts", g, g), axis=(1, 2))
 
 
+_TYPE_TABLE: Path = ("bert", "embeddings", "token_type_embeddings", "embedding")
+_MLM_BIAS: Path = ("cls", "predictions", "bias")
+
+
+def _path(tap: str) -> Path:
+    """The parameter path prefix of a tap name ("bert/encoder/layer/0/...")."""
+    return tuple(int(p) if p.isdigit() else p for p in tap.split("/"))
+
+
 def _per_example_kernels(a: jax.Array, g: jax.Array) -> jax.Array:
     """Per-example kernel gradients a_i^T g_i, laid out [M, d_in, d_out], or [M, d_out, d_in]
     when d_in > d_out: XLA CPU computes the batched product with the larger dimension last
@@ -260,36 +269,43 @@ class MLMGhostLoss:
 
     def sq_norms(
         self, params: Any, inputs: dict[str, Any], grads: dict[str, jax.Array]
-    ) -> tuple[jax.Array, dict[str, jax.Array]]:
-        """(squared norm [M] of each example's whole gradient, the per-example kernel gradients
-        of the layers clipped by instantiation (`_per_example_kernels`), keyed by tap name)."""
+    ) -> tuple[jax.Array, dict[Path, jax.Array]]:
+        """(squared norm [M] of each example's whole gradient, the per-example gradients that the
+        norm was computed from, keyed by parameter path: biases, LayerNorm scales, token-type
+        and MLM-bias rows, and the kernels clipped by instantiation, `_per_example_kernels`).
+        `weighted_sums` reuses them instead of reading the taps again."""
         total = 0.0
-        instantiated: dict[str, jax.Array] = {}
+        per_example: dict[Path, jax.Array] = {}
         for name, g in grads.items():
             if name in ("embeddings", "logits"):
                 continue
+            path = _path(name)
             a, g = _flat(inputs[name]), _flat(g)
-            total += _sq(jnp.sum(g, axis=1))  # bias
+            per_example[path + ("bias",)] = jnp.sum(g, axis=1)
             if name.endswith("LayerNorm"):
-                total += _sq(jnp.sum(g * a, axis=1))
+                per_example[path + ("scale",)] = jnp.sum(g * a, axis=1)
             elif dense_layer_mode(self.layer_mode, a.shape[1], a.shape[2], g.shape[2]) == "instantiate":
-                instantiated[name] = _per_example_kernels(a, g)
-                total += _sq(instantiated[name])
+                per_example[path + ("kernel",)] = _per_example_kernels(a, g)
             else:
                 total += _ghost_sq_norm(a, g)
-        return total + self._embedding_sq_norms(params, inputs, grads), instantiated
+        total += self._embedding_sq_norms(params, inputs, grads, per_example)
+        return total + sum(_sq(x) for x in per_example.values()), per_example
 
-    def _embedding_sq_norms(self, params: Any, inputs: dict[str, Any], grads: dict[str, jax.Array]) -> jax.Array:
+    def _embedding_sq_norms(
+        self, params: Any, inputs: dict[str, Any], grads: dict[str, jax.Array], per_example: dict[Path, jax.Array]
+    ) -> jax.Array:
+        """Squared norms of the word and position tables (tied decoder included); the token-type
+        and MLM-bias gradients go to `per_example`."""
         ids = inputs["embeddings"]["ids"].reshape(grads["embeddings"].shape[0], -1)
         types = inputs["embeddings"]["types"].reshape(ids.shape)
         g = _flat(grads["embeddings"])  # [M, L, H]: gradient of each lookup's output row
         e = _flat(grads["logits"])  # [M, P, V]: gradient of the logits
         x = _flat(inputs["logits"])  # [M, P, H]: decoder input
         n_types = params["bert"]["embeddings"]["token_type_embeddings"]["embedding"].shape[0]
+        per_example[_TYPE_TABLE] = jnp.einsum("mtk,mth->mkh", jax.nn.one_hot(types, n_types, dtype=_F32), g)
+        per_example[_MLM_BIAS] = jnp.sum(e, axis=1)
         # Position rows 0..L-1 each receive one token's gradient.
         total = _sq(g)
-        total += _sq(jnp.einsum("mtk,mth->mkh", jax.nn.one_hot(types, n_types, dtype=_F32), g))
-        total += _sq(jnp.sum(e, axis=1))  # MLM bias
         # Each word-table row receives the sum of its tokens' gradients: add every token's gradient
         # at its id's first position (an L x L id comparison and a scatter; the L^2 H Gram of g
         # it replaces took 1.6x longer on CPU for tiny BERT).
@@ -310,34 +326,28 @@ class MLMGhostLoss:
 
     def weighted_sums(
         self, params: Any, inputs: dict[str, Any], grads: dict[str, jax.Array], w: jax.Array,
-        instantiated: dict[str, jax.Array],
+        per_example: dict[Path, jax.Array],
     ) -> dict[Path, jax.Array]:
-        """sum_i w_i grad_i for every parameter, keyed by parameter path (float32). Taps and
-        instantiated gradients must already be exactly zero for dropped examples."""
-        out: dict[Path, jax.Array] = {}
+        """sum_i w_i grad_i for every parameter, keyed by parameter path (float32). Taps and the
+        per-example gradients of `sq_norms` must already be exactly zero for dropped examples."""
+        out = {path: _weighted_example_sum(x, w) for path, x in per_example.items()}
         for name, g in grads.items():
-            if name in ("embeddings", "logits"):
+            if name in ("embeddings", "logits") or name.endswith("LayerNorm"):
                 continue
-            path = tuple(int(p) if p.isdigit() else p for p in name.split("/"))
+            kernel = _path(name) + ("kernel",)
             a, g = _flat(inputs[name]), _flat(g)
-            if name.endswith("LayerNorm"):
-                out[path + ("scale",)] = jnp.einsum("mth,mth,m->h", a, g, w)
-            elif name in instantiated:
-                kernel = _weighted_example_sum(instantiated[name], w)
-                out[path + ("kernel",)] = kernel.T if a.shape[2] > g.shape[2] else kernel
-            else:
-                out[path + ("kernel",)] = _weighted_outer(a, g, w)
-            out[path + ("bias",)] = jnp.einsum("mto,m->o", g, w)
+            if kernel not in out:
+                out[kernel] = _weighted_outer(a, g, w)
+            elif a.shape[2] > g.shape[2]:  # instantiated as [M, d_out, d_in]
+                out[kernel] = out[kernel].T
         m = w.shape[0]
         ids = inputs["embeddings"]["ids"].reshape(m, -1)
-        types = inputs["embeddings"]["types"].reshape(ids.shape)
         g = _flat(grads["embeddings"]) * w[:, None, None]
         e = _flat(grads["logits"])
         x = _flat(inputs["logits"]) * w[:, None, None]  # [M, P, H]: far smaller than e [M, P, V]
         emb = params["bert"]["embeddings"]
         table = emb["word_embeddings"]["embedding"]
         pos_table = emb["position_embeddings"]["embedding"]
-        n_types = emb["token_type_embeddings"]["embedding"].shape[0]
         seq_len = ids.shape[1]
         word = jnp.zeros(table.shape, _F32).at[ids.reshape(-1)].add(g.reshape(-1, g.shape[-1]))
         decoder = jnp.einsum("mpv,mph->vh", e, x)
@@ -349,10 +359,6 @@ class MLMGhostLoss:
         out[("bert", "embeddings", "position_embeddings", "embedding")] = (
             jnp.zeros(pos_table.shape, _F32).at[:seq_len].set(jnp.sum(g, axis=0))
         )
-        out[("bert", "embeddings", "token_type_embeddings", "embedding")] = jnp.einsum(
-            "mtk,mth->kh", jax.nn.one_hot(types, n_types, dtype=_F32), g
-        )
-        out[("cls", "predictions", "bias")] = jnp.einsum("mpv,m->v", e, w)
         return out
 
 
@@ -394,7 +400,7 @@ def ghost_clipped_grad_sum(
         # Params are closed over: the backward pass stops at the layer outputs (no weight grads).
         losses, vjp, inputs = jax.vjp(lambda z: tapped(params, examples, keys, z)[:2], z, has_aux=True)
         (out_grads,) = vjp(jnp.ones_like(losses))
-        sq_norms, instantiated = loss.sq_norms(params, inputs, out_grads)
+        sq_norms, per_example = loss.sq_norms(params, inputs, out_grads)
         keep, scale, stats = clip_scale(stats, jnp.sqrt(sq_norms), losses, padding, clip_norm)
 
         def zero_dropped(x: jax.Array) -> jax.Array:
@@ -406,7 +412,7 @@ def ghost_clipped_grad_sum(
                 jax.tree_util.tree_map(clean, inputs),
                 jax.tree_util.tree_map(clean, out_grads),
                 scale,
-                {k: clean(v) for k, v in instantiated.items()},
+                {k: clean(v) for k, v in per_example.items()},
             )
 
         # Every tap enters its example's squared norm multiplied by itself, so finite norms mean
