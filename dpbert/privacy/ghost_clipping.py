@@ -288,22 +288,25 @@ class MLMGhostLoss:
                 per_example[path + ("kernel",)] = _per_example_kernels(a, g)
             else:
                 total += _ghost_sq_norm(a, g)
-        total += self._embedding_sq_norms(params, inputs, grads, per_example)
-        return total + sum(_sq(x) for x in per_example.values()), per_example
+        embedding_total, embedding_rows = self._embedding_sq_norms(params, inputs, grads)
+        per_example |= embedding_rows
+        return total + embedding_total + sum(_sq(x) for x in per_example.values()), per_example
 
     def _embedding_sq_norms(
-        self, params: Any, inputs: dict[str, Any], grads: dict[str, jax.Array], per_example: dict[Path, jax.Array]
-    ) -> jax.Array:
-        """Squared norms of the word and position tables (tied decoder included); the token-type
-        and MLM-bias gradients go to `per_example`."""
+        self, params: Any, inputs: dict[str, Any], grads: dict[str, jax.Array]
+    ) -> tuple[jax.Array, dict[Path, jax.Array]]:
+        """(squared norms of the word and position tables, tied decoder included; the per-example
+        token-type and MLM-bias gradients, whose norms the caller adds)."""
         ids = inputs["embeddings"]["ids"].reshape(grads["embeddings"].shape[0], -1)
         types = inputs["embeddings"]["types"].reshape(ids.shape)
         g = _flat(grads["embeddings"])  # [M, L, H]: gradient of each lookup's output row
         e = _flat(grads["logits"])  # [M, P, V]: gradient of the logits
         x = _flat(inputs["logits"])  # [M, P, H]: decoder input
         n_types = params["bert"]["embeddings"]["token_type_embeddings"]["embedding"].shape[0]
-        per_example[_TYPE_TABLE] = jnp.einsum("mtk,mth->mkh", jax.nn.one_hot(types, n_types, dtype=_F32), g)
-        per_example[_MLM_BIAS] = jnp.sum(e, axis=1)
+        rows = {
+            _TYPE_TABLE: jnp.einsum("mtk,mth->mkh", jax.nn.one_hot(types, n_types, dtype=_F32), g),
+            _MLM_BIAS: jnp.sum(e, axis=1),
+        }
         # Position rows 0..L-1 each receive one token's gradient.
         total = _sq(g)
         # Each word-table row receives the sum of its tokens' gradients: add every token's gradient
@@ -317,8 +320,8 @@ class MLMGhostLoss:
         if self._tied(params):
             e_at_ids = jnp.take_along_axis(e, ids[:, None, :], axis=2)  # [M, P, L]: e_p[id_t]
             cross = jnp.sum(e_at_ids * jnp.einsum("mph,mth->mpt", x, g), axis=(1, 2))
-            return total + word_in + decoder + 2.0 * cross
-        return total + word_in + decoder
+            return total + word_in + decoder + 2.0 * cross, rows
+        return total + word_in + decoder, rows
 
     @staticmethod
     def _tied(params: Any) -> bool:
