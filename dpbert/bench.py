@@ -91,7 +91,8 @@ PEER_ROWS = ("torch non-private", "opacus DP", "opacus DP (hooks)", "opacus DP (
 ROWS = NONPRIVATE_ROWS + DP_ROWS + PEER_ROWS
 # Default batch per model: DP-SGD trains with large batches (the paper's reach millions), and
 # the per-step costs (noise, optimizer update) are amortized over them. base stays at 16 so
-# that Opacus's per-example gradients (16 x 92M floats) fit a 24 GiB machine.
+# that Opacus's per-example gradients (16 x 92M floats) fit a 24 GiB machine: at 32 the
+# process reached 24.3 GB resident and was killed during the first Opacus step.
 DEFAULT_BATCH = {"tiny": 64, "mini": 64, "base": 16}
 DEFAULT_MICROBATCH = 4
 # Timed steps per row: the best of 3 moved tiny's DP / non-private ratio between 0.85 and 1.01
