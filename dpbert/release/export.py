@@ -7,21 +7,32 @@ a tokenizer folder, the `ReleaseMetadata` (guarantees with their ledgers) and a 
     config.json          the model config plus `differential_privacy` (private flag, epsilon per guarantee)
     model.safetensors    the weights, loadable by transformers' BertForMaskedLM / pipeline("fill-mask")
     tokenizer files      copied from the tokenizer folder (tokenizer.json, vocab.txt, ...)
-    privacy.json         the full ledgers (see `dpbert.release.metadata`)
+    privacy.json         the full ledgers, and the sha256 of every weight file (`weights`; see
+                         `dpbert.release.metadata`)
     README.md            the model card (see `dpbert.release.card`)
 
-Guarantee: the output folder appears whole or not at all. Everything is written into a hidden
+Guarantees: the output folder appears whole or not at all. Everything is written into a hidden
 temporary sibling of `out`, which is renamed into place only after the last file is written; any
 error removes the temporary folder. With `overwrite=True` an existing `out` is swapped out by rename
-and deleted only after the new folder is in place.
+and deleted only after the new folder is in place. `privacy.json` records the sha256 of the weight
+files exactly as written. A model folder holding a run's noise secret (`noise_secret`) is refused:
+the secret never reaches a release.
 
-`export_run` reads a pretraining run folder (RUN_DIR/hf, RUN_DIR/privacy.json, RUN_DIR/recipe.yaml,
-RUN_DIR/metrics.jsonl, the token store manifest) and calls `write_release`.
+`export_run` reads a pretraining run folder: RUN_DIR/hf (weights and tokenizer), RUN_DIR/privacy.json
+(the ledger), RUN_DIR/randomness.json (where the noise secret came from: "os-csprng" or
+"supplied-file"; a private run without it is released with randomness "unknown", which `verify`
+rejects), RUN_DIR/recipe.yaml (the resolved recipe, published whole), the token store manifest
+(vocabulary origin; sequence length and sequences per document of the train split, for the unit) and
+RUN_DIR/metrics.jsonl (held-out evaluation; the data-dependent training figures are named but their
+values are left out unless `include_diagnostics=True`). The secret itself (RUN_DIR/checkpoints/
+noise_secret) is never read.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
 import os
 import shutil
 import uuid
@@ -33,7 +44,16 @@ import yaml
 
 from dpbert.atomic import write_json, write_text
 from dpbert.release.card import CARD_FILE, CardInfo, render_card
-from dpbert.release.metadata import PRIVACY_FILE, Guarantee, ReleaseMetadata
+from dpbert.release.metadata import (
+    NEVER_RELEASED,
+    PRIVACY_FILE,
+    Guarantee,
+    ReleaseMetadata,
+    count_parameters,
+    noise_record,
+    unit_record,
+    weight_hashes,
+)
 
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -45,6 +65,7 @@ TOKENIZER_FILES = (
 _WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
 # Files a release writes itself; never copied from the model folder.
 _RELEASE_FILES = (CARD_FILE, PRIVACY_FILE)
+RANDOMNESS_FILE = "randomness.json"  # RUN_DIR/randomness.json: {"source": "os-csprng" | "supplied-file"}
 
 
 class SavesPretrained(Protocol):
@@ -58,6 +79,9 @@ def _copy_model(model: str | os.PathLike[str] | SavesPretrained, dest: Path) -> 
             raise FileNotFoundError(f"{src / 'config.json'}: missing (expected a Hugging Face model folder)")
         if not any((src / name).is_file() for name in _WEIGHT_FILES):
             raise FileNotFoundError(f"{src}: no weights (expected one of {', '.join(_WEIGHT_FILES)})")
+        secrets = [name for name in NEVER_RELEASED if (src / name).exists()]
+        if secrets:
+            raise ValueError(f"{src / secrets[0]}: a noise secret is in the model folder; it must never be released")
         for item in sorted(src.iterdir()):
             # Shards of a sharded checkpoint are copied along with everything else at the top level.
             if item.is_file() and item.name not in _RELEASE_FILES:
@@ -99,6 +123,13 @@ def write_release(
     try:
         _copy_model(model, tmp)
         _copy_tokenizer(None if tokenizer_dir is None else Path(tokenizer_dir), tmp)
+        leaked = [name for name in NEVER_RELEASED if (tmp / name).exists()]
+        if leaked:
+            raise ValueError(f"{leaked[0]}: a noise secret was written into the release; it must never be released")
+        weights = weight_hashes(tmp)
+        if not weights:
+            raise FileNotFoundError(f"{out}: the model wrote no weight file (expected model.safetensors or shards)")
+        meta = dataclasses.replace(meta, weights=weights)
         config_path = tmp / "config.json"
         config = json.loads(config_path.read_text())
         config["differential_privacy"] = meta.config_copy()
@@ -144,19 +175,55 @@ def _find_store(run_dir: Path, recipe: Mapping[str, Any], store: Path | None) ->
     return None
 
 
-def _vocabulary(manifest: Mapping[str, Any] | None) -> tuple[str, bool]:
-    """(origin sentence, covered by the guarantee?) from a token store manifest.
+def _vocabulary(manifest: Mapping[str, Any] | None) -> tuple[str, bool, bool | None]:
+    """(origin sentence, covered by the guarantee?, learned from the private corpus?) from a token
+    store manifest.
 
     The manifest records `vocab_origin` ("public" or "trained on <corpus>"), the tokenizer's source
-    and `vocab_covered_by_dp_guarantee`; an unrecorded origin counts as not covered.
+    and `vocab_covered_by_dp_guarantee`; an unrecorded origin counts as not covered and unknown.
     """
     if manifest is None:
-        return "Its origin is not recorded (no token store manifest was found for this run)", False
+        return "Its origin is not recorded (no token store manifest was found for this run)", False, None
     origin = str(manifest.get("vocab_origin", "unknown"))
     source = manifest.get("tokenizer_source")
     covered = manifest.get("vocab_covered_by_dp_guarantee") is True
+    learned = True if origin.startswith("trained on") else False if origin == "public" else None
     text = f"Vocabulary origin: {origin}" + (f" (tokenizer: {source})" if source else "")
-    return text, covered
+    return text, covered and learned is not True, learned
+
+
+def _randomness(run_dir: Path) -> dict[str, Any]:
+    """RUN_DIR/randomness.json as recorded by the trainer; {"source": "unknown"} when absent or unreadable."""
+    path = run_dir / RANDOMNESS_FILE
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return {"source": "unknown", "note": f"{RANDOMNESS_FILE} missing or unreadable in the run folder"}
+    if not isinstance(record, dict) or not isinstance(record.get("source"), str):
+        return {"source": "unknown", "note": f"{RANDOMNESS_FILE} does not name a source"}
+    return {"source": record["source"]}
+
+
+def _number(value: Any) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        return None
+    return float(value)
+
+
+def _diagnostics(train: list[dict[str, Any]]) -> tuple[tuple[str, ...], dict[str, Any] | None]:
+    """(names, values) of the data-dependent figures of the train records: realized batch size,
+    examples/s, step time and every `nonprivate_diagnostics` entry (loss, clipped fraction, ...)."""
+    rows = []
+    for r in train:
+        row = {k: _number(r.get(k)) for k in ("realized_batch_size", "examples_per_s", "step_time_s")}
+        row.update({k: _number(v) for k, v in (r.get("nonprivate_diagnostics") or {}).items()})
+        rows.append({k: v for k, v in row.items() if v is not None})
+    names = tuple(sorted({k for row in rows for k in row}))
+    if not rows:
+        return names, None
+    mean = {k: sum(row[k] for row in rows if k in row) / sum(1 for row in rows if k in row) for k in names}
+    last = {"step": train[-1].get("step"), **rows[-1]}
+    return names, {"records": len(rows), "mean": mean, "last": last}
 
 
 def export_run(
@@ -168,12 +235,15 @@ def export_run(
     repo_id: str | None = None,
     non_private: bool = False,
     overwrite: bool = False,
+    include_diagnostics: bool = False,
 ) -> Path:
     """Export a finished pretraining run (RUN_DIR/hf + ledger + card) to the release folder `out`.
 
     The ledger is RUN_DIR/privacy.json; a run without one is refused unless `non_private=True`, which
     releases it as explicitly non-private (epsilon = infinity). The tokenizer comes from RUN_DIR/hf when
-    the trainer saved one there, else from `tokenizer`.
+    the trainer saved one there, else from `tokenizer`. `include_diagnostics=True` adds the values of
+    the data-dependent training figures (labelled "Non-private diagnostics"); by default only their
+    names are published.
     """
     run_dir = Path(run_dir)
     hf_dir = run_dir / "hf"
@@ -190,7 +260,15 @@ def export_run(
     ledger_path = run_dir / PRIVACY_FILE
     if ledger_path.is_file():
         ledger = json.loads(ledger_path.read_text())
-        guarantee = Guarantee.from_ledger(scope="pretraining", data=data_desc, ledger=ledger)
+        seq_len = (manifest or {}).get("seq_len") or (recipe.get("data") or {}).get("seq_len")
+        guarantee = Guarantee.from_ledger(
+            scope="pretraining",
+            data=data_desc,
+            ledger=ledger,
+            randomness=_randomness(run_dir),
+            noise=noise_record(ledger, coordinates=count_parameters(hf_dir)),
+            unit=unit_record(sequence_tokens=seq_len, split=((manifest or {}).get("splits") or {}).get("train")),
+        )
     elif non_private:
         guarantee = Guarantee.non_private(scope="pretraining", data=data_desc)
     else:
@@ -202,16 +280,18 @@ def export_run(
     records = _read_jsonl(run_dir / "metrics.jsonl") if (run_dir / "metrics.jsonl").is_file() else []
     evals = [r for r in records if r.get("kind") == "eval" and r.get("eval_mlm_accuracy") is not None]
     last_eval = evals[-1] if evals else {}
-    diagnostics = sorted({k for r in records if r.get("kind") == "train" for k in r.get("nonprivate_diagnostics") or {}})
+    diagnostic_names, diagnostic_values = _diagnostics([r for r in records if r.get("kind") == "train"])
 
-    vocab_origin, vocab_covered = _vocabulary(manifest)
+    vocab_origin, vocab_covered, vocab_learned = _vocabulary(manifest)
     meta = ReleaseMetadata(
         guarantees=(guarantee,),
         vocabulary_origin=vocab_origin,
         vocabulary_covered=vocab_covered,
+        vocabulary_learned_from_private_data=vocab_learned,
         recipe_name=recipe_path.name if recipe_text is not None else None,
         recipe_content=recipe_text,
-        non_private_diagnostics=tuple(diagnostics),
+        non_private_diagnostics=diagnostic_names,
+        diagnostics=diagnostic_values if include_diagnostics else None,
     )
     config = json.loads((hf_dir / "config.json").read_text())
     info = CardInfo(

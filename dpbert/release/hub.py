@@ -1,6 +1,7 @@
 """Push releases to, and pull them from, the Hugging Face Hub (or any Hub-compatible endpoint).
 
-- `push` verifies the folder first and refuses one whose privacy metadata does not verify, then
+- `push` verifies the folder first (`dpbert.release.verify`: epsilon recomputed, ledger rebuilt from the
+  recipe, weight hashes, every copy) and refuses one that does not verify, then
   `create_repo(exist_ok=True)` (+ `create_branch` for a revision) and `upload_folder`.
 - `pull` downloads with `snapshot_download` through the Hugging Face cache (HF_HOME / HF_HUB_CACHE),
   so a pulled repo loads again offline (HF_HUB_OFFLINE=1); it verifies by default.

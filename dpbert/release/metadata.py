@@ -1,21 +1,46 @@
 """The privacy metadata of a release (`privacy.json`) and the copies of it in the card and config.
 
 A release carries one or more *guarantees*, each for its own data: a pretrained checkpoint has one
-("pretraining"), a model fine-tuned from it can add a second ("fine-tuning") for the task data. Each
-guarantee holds the full privacy ledger of the run that consumed that data (the `PrivacyLedger.to_dict()`
-of `dpbert.privacy.accounting`: accountant, delta, dataset size, clip norm, Poisson sampling, privacy unit
-= one example sequence, and per stage the sampling rate, expected batch size, noise multiplier and
-steps), so anyone can recompute epsilon from it. A guarantee without a ledger is a non-private use of
-that data: epsilon is infinity, and the release as a whole is private only if every guarantee is.
+("pretraining"), a model fine-tuned from it can add a second ("fine-tuning (TASK)") for the task data.
+Each guarantee holds the full privacy ledger of the run that consumed that data (the
+`PrivacyLedger.to_dict()` of `dpbert.privacy.accounting`: accountant, delta, dataset size N and where
+that public number came from, clip norm, Poisson sampling, privacy unit = one example sequence, and per
+stage the sampling rate, expected batch size, noise multiplier, physical batch size and steps), so anyone
+can recompute epsilon from it. A guarantee without a ledger is a non-private use of that data: epsilon is
+infinity, and the release as a whole is private only if every guarantee is.
+
+Besides its ledger, a guarantee states where the randomness of its DP mechanism came from
+(`randomness.source`: "os-csprng", a secret drawn from the operating system and never released, or
+"supplied-file", a secret an auditor supplied; anything else is unknown and voids the guarantee), how
+exact its Gaussian noise is (`noise`: the sampler and the bound on its deviation from the exact
+Gaussian over the run, filled in by `noise_record`), and what its unit means for this corpus (`unit`:
+sequence length and how many sequences a document contributes, at most and on average).
 
 `privacy.json` (format "dpbert-privacy/1"):
 
     {"format": "dpbert-privacy/1", "private": bool, "dpbert_version": str,
      "guarantees": [{"scope": str, "data": str, "private": bool, "epsilon": float | "inf",
-                     "ledger": {...} | null}],
+                     "ledger": {...} | null,
+                     "randomness": {"source": str} | null,
+                     "noise": {"sampler": str, "max_abs_z": float | null, "coordinates": int | null,
+                               "tail_bound": float | null} | null,
+                     "unit": {"sequence_tokens": int | null, "documents": int | null,
+                              "max_sequences_per_document": int | null,
+                              "mean_sequences_per_document": float | null} | null}],
      "recipe": {"name": str, "sha256": str, "content": str} | null,
-     "vocabulary": {"origin": str, "covered": bool},
-     "non_private_diagnostics": [str, ...]}
+     "weights": {FILE: sha256, ...},
+     "vocabulary": {"origin": str, "covered": bool, "learned_from_private_data": bool | null},
+     "public_inputs": [{"input": str, "scope": str (some), "value": ..., "source": str}, ...],
+     "non_private_diagnostics": {"logged": [str, ...], "included": bool, "values": {...} | null}}
+
+`private` is true when every guarantee is private. A vocabulary learned from the private corpus
+without privacy (`learned_from_private_data: true`) is not covered by any guarantee: the release is
+then not private *with respect to its vocabulary*, and its card carries no differential-privacy tags.
+`public_inputs` is derived from the rest (`ReleaseMetadata.public_inputs`): it lists what the guarantee
+treats as public (each dataset size N and its source, the vocabulary, the recipe, each randomness
+source). `weights` holds the sha256 of every weight file of the release. Data-dependent figures of the
+training run (realized batch sizes, clipped fraction, loss, examples/s) are left out unless an export
+asks for them (`values`), and are never covered by a guarantee.
 
 JSON has no infinity, so an infinite epsilon is written as the string "inf" (YAML writes `.inf`).
 """
@@ -23,10 +48,12 @@ JSON has no infinity, so an infinite epsilon is written as the string "inf" (YAM
 from __future__ import annotations
 
 import dataclasses
+import fnmatch
 import functools
 import hashlib
 import json
 import math
+import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -36,6 +63,29 @@ import dpbert
 FORMAT = "dpbert-privacy/1"
 PRIVACY_FILE = "privacy.json"
 PRIVACY_UNIT = "one example sequence"
+# Where the randomness of a DP mechanism came from (`dpbert.privacy.randomness`); anything else,
+# a missing record included, is unknown.
+OS_CSPRNG = "os-csprng"
+SUPPLIED_FILE = "supplied-file"
+RANDOMNESS_SOURCES = (OS_CSPRNG, SUPPLIED_FILE)
+UNKNOWN = "unknown"
+# A ledger written before `PrivacyLedger.dataset_size_source` existed does not say where its
+# dataset size N came from: N may be the exact, private count.
+UNRECORDED = "unrecorded"
+# Weight files of a Hugging Face folder (single or sharded, any framework), hashed into privacy.json.
+WEIGHT_PATTERNS = (
+    "*.safetensors",
+    "*.safetensors.index.json",
+    "pytorch_model*.bin",
+    "pytorch_model.bin.index.json",
+    "flax_model*.msgpack",
+    "flax_model.msgpack.index.json",
+    "tf_model*.h5",
+    "tf_model.h5.index.json",
+)
+# Files of a run folder that must never reach a release (whoever holds the noise secret can
+# regenerate the noise and subtract it).
+NEVER_RELEASED = ("noise_secret",)
 
 
 def epsilon_to_json(epsilon: float) -> float | str:
@@ -76,19 +126,123 @@ def _recompute(ledger_json: str) -> tuple[float, float]:
     return epsilon, float(ledger.truncation_delta(epsilon)) if math.isfinite(epsilon) else 0.0
 
 
+# ---- weights
+
+
+def weight_files(folder: str | os.PathLike[str]) -> list[str]:
+    """Names of the weight files at the top level of `folder` (see `WEIGHT_PATTERNS`), sorted."""
+    folder = Path(folder)
+    return sorted(
+        p.name
+        for p in folder.iterdir()
+        if p.is_file() and any(fnmatch.fnmatch(p.name, pattern) for pattern in WEIGHT_PATTERNS)
+    )
+
+
+def sha256_file(path: str | os.PathLike[str]) -> str:
+    """Hex sha256 of a file's bytes (a symlink is followed, as in a Hugging Face cache snapshot)."""
+    real = Path(path).resolve()
+    st = real.stat()
+    return _sha256_cached(str(real), st.st_size, st.st_mtime_ns, st.st_ino)
+
+
+@functools.lru_cache(maxsize=256)
+def _sha256_cached(path: str, size: int, mtime_ns: int, inode: int) -> str:
+    # Keyed by the file's identity and stat: verify runs more than once on the same release
+    # (push, pull, audit), and hashing a BERT-Large takes seconds.
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def weight_hashes(folder: str | os.PathLike[str]) -> dict[str, str]:
+    """{file name: sha256} of every weight file of `folder`."""
+    return {name: sha256_file(Path(folder) / name) for name in weight_files(folder)}
+
+
+def count_parameters(folder: str | os.PathLike[str]) -> int | None:
+    """Number of parameters stored in the safetensors files of `folder` (read from their headers
+    only); None when the weights are not safetensors."""
+    files = [name for name in weight_files(folder) if name.endswith(".safetensors")]
+    if not files:
+        return None
+    total = 0
+    for name in files:
+        with open(Path(folder) / name, "rb") as f:
+            size = int.from_bytes(f.read(8), "little")
+            header = json.loads(f.read(size))
+        for key, entry in header.items():
+            if key != "__metadata__":
+                total += math.prod(entry["shape"])
+    return total
+
+
+# ---- what a guarantee states besides its ledger
+
+
+def noise_record(ledger: Mapping[str, Any], *, coordinates: int | None) -> dict[str, Any]:
+    """The exact-Gaussian note of one guarantee: which sampler drew the noise and how far, at most,
+    the run's noise deviates from the exact Gaussian the accountant assumes: `tail_bound` is
+    `dpbert.privacy.noise.tail_deviation` over the run's noised steps at the ledger's epsilon, the
+    delta that the sampler's finite tail could add. dpbert bounds it below 1e-3 of delta and does
+    not add it (`tail_bound_below` states the comparison). `coordinates` is the number of noised
+    coordinates per step (the trained parameters); None when unknown, which leaves the bound unset.
+    """
+    from dpbert.privacy import noise
+
+    steps = sum(int(s["steps"]) for s in ledger.get("stages") or () if float(s["noise_multiplier"]) > 0)
+    bound = None
+    if coordinates is not None and steps:
+        bound = float(noise.tail_deviation(coordinates=coordinates, steps=steps, epsilon=recompute_epsilon(ledger)))
+    return {
+        "sampler": f"Box-Muller on 32-bit words (float32), |z| <= {noise.MAX_ABS_Z:.4f}",
+        "max_abs_z": float(noise.MAX_ABS_Z),
+        "coordinates": coordinates,
+        "tail_bound": bound,
+        "tail_bound_below": None if bound is None else "1e-3 * delta (not added to delta)",
+    }
+
+
+def unit_record(*, sequence_tokens: int | None, split: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The `unit` of a pretraining guarantee from the token store's train split (manifest
+    `splits.train`): sequence length, documents, and sequences per document (None where the
+    store predates the counts)."""
+    split = split or {}
+    return {
+        "sequence_tokens": sequence_tokens,
+        "documents": split.get("num_documents"),
+        "max_sequences_per_document": split.get("max_sequences_per_document"),
+        "mean_sequences_per_document": split.get("mean_sequences_per_document"),
+    }
+
+
+def _optional_mapping(item: Mapping[str, Any], key: str, field: str) -> Mapping[str, Any] | None:
+    value = item.get(key)
+    if value is not None and not isinstance(value, Mapping):
+        raise ValueError(f"{field}.{key}: expected an object or null, got {value!r}")
+    return None if value is None else dict(value)
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Guarantee:
     """What a release promises about one dataset it was trained on.
 
     `ledger` is `PrivacyLedger.to_dict()` of the run that used `data`, or None when `data` was used
     without DP. `epsilon` is the ledger's epsilon (use `from_ledger`, which computes it); it is
-    infinity exactly when the use was not private.
+    infinity exactly when the use was not private. `randomness` ({"source": ...}), `noise`
+    (`noise_record`) and `unit` (`unit_record`) are what the run knows about its mechanism and its
+    unit; None when not recorded.
     """
 
     scope: str
     data: str
     epsilon: float
     ledger: Mapping[str, Any] | None
+    randomness: Mapping[str, Any] | None = None
+    noise: Mapping[str, Any] | None = None
+    unit: Mapping[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if not self.scope:
@@ -101,8 +255,25 @@ class Guarantee:
             raise ValueError(f"Guarantee.epsilon: a guarantee without a ledger is non-private, got {self.epsilon}")
 
     @classmethod
-    def from_ledger(cls, *, scope: str, data: str, ledger: Mapping[str, Any]) -> Guarantee:
-        return cls(scope=scope, data=data, epsilon=recompute_epsilon(ledger), ledger=dict(ledger))
+    def from_ledger(
+        cls,
+        *,
+        scope: str,
+        data: str,
+        ledger: Mapping[str, Any],
+        randomness: Mapping[str, Any] | None = None,
+        noise: Mapping[str, Any] | None = None,
+        unit: Mapping[str, Any] | None = None,
+    ) -> Guarantee:
+        return cls(
+            scope=scope,
+            data=data,
+            epsilon=recompute_epsilon(ledger),
+            ledger=dict(ledger),
+            randomness=None if randomness is None else dict(randomness),
+            noise=None if noise is None else dict(noise),
+            unit=None if unit is None else dict(unit),
+        )
 
     @classmethod
     def non_private(cls, *, scope: str, data: str) -> Guarantee:
@@ -124,6 +295,19 @@ class Guarantee:
     def truncation_delta(self) -> float:
         return 0.0 if self.ledger is None or not self.private else recompute_truncation_delta(self.ledger)
 
+    @property
+    def dataset_size_source(self) -> str | None:
+        """"declared", "rounded" or "exact" as the ledger says; "unrecorded" for an older ledger."""
+        if self.ledger is None:
+            return None
+        return str(self.ledger.get("dataset_size_source") or UNRECORDED)
+
+    @property
+    def randomness_source(self) -> str:
+        """"os-csprng", "supplied-file", or "unknown" (not recorded, or not a known source)."""
+        source = (self.randomness or {}).get("source")
+        return str(source) if source in RANDOMNESS_SOURCES else UNKNOWN
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "scope": self.scope,
@@ -131,6 +315,9 @@ class Guarantee:
             "private": self.private,
             "epsilon": epsilon_to_json(self.epsilon),
             "ledger": None if self.ledger is None else dict(self.ledger),
+            "randomness": None if self.randomness is None else dict(self.randomness),
+            "noise": None if self.noise is None else dict(self.noise),
+            "unit": None if self.unit is None else dict(self.unit),
         }
 
     def summary(self) -> dict[str, Any]:
@@ -143,6 +330,8 @@ class Guarantee:
                 privacy_unit=self.ledger.get("privacy_unit", PRIVACY_UNIT),
                 sampling=self.ledger.get("sampling", "poisson"),
                 dataset_size=self.ledger.get("dataset_size"),
+                dataset_size_source=self.dataset_size_source,
+                randomness=self.randomness_source,
             )
             if self.truncation_delta > 0:
                 out["truncation_delta"] = self.truncation_delta
@@ -151,14 +340,24 @@ class Guarantee:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ReleaseMetadata:
-    """Everything `privacy.json` holds. `private` is true only if every guarantee is private."""
+    """Everything `privacy.json` holds. `private` is true only if every guarantee is private.
+
+    `vocabulary_learned_from_private_data`: True for a vocabulary learned from the private corpus
+    without privacy (`tokenizer: train`), False for a public one, None when unknown.
+    `non_private_diagnostics` names the data-dependent figures the run logged; `diagnostics` holds
+    their values only when the export was asked to include them. `weights` ({file: sha256}) is
+    filled in by `write_release` from the files it writes.
+    """
 
     guarantees: tuple[Guarantee, ...]
     vocabulary_origin: str
     vocabulary_covered: bool
+    vocabulary_learned_from_private_data: bool | None = None
     recipe_name: str | None = None
     recipe_content: str | None = None
     non_private_diagnostics: tuple[str, ...] = ()
+    diagnostics: Mapping[str, Any] | None = None
+    weights: Mapping[str, str] | None = None
     dpbert_version: str = dpbert.__version__
 
     def __post_init__(self) -> None:
@@ -169,27 +368,89 @@ class ReleaseMetadata:
             raise ValueError(f"ReleaseMetadata.guarantees: scopes must be distinct, got {scopes}")
         if not self.vocabulary_origin:
             raise ValueError("ReleaseMetadata.vocabulary_origin: expected where the vocabulary came from")
+        if self.vocabulary_learned_from_private_data is True and self.vocabulary_covered:
+            raise ValueError(
+                "ReleaseMetadata.vocabulary_covered: a vocabulary learned from the private data without privacy "
+                "is not covered by the guarantee"
+            )
 
     @property
     def private(self) -> bool:
         return all(g.private for g in self.guarantees)
 
+    @property
+    def vocabulary_private(self) -> bool:
+        """False when the vocabulary was learned from the private corpus without privacy."""
+        return self.vocabulary_learned_from_private_data is not True
+
+    @property
+    def fully_private(self) -> bool:
+        """Every guarantee private, and no vocabulary learned from the private data: what the
+        differential-privacy tags of the card claim."""
+        return self.private and self.vocabulary_private
+
+    @property
+    def recipe_sha256(self) -> str | None:
+        return None if self.recipe_content is None else hashlib.sha256(self.recipe_content.encode()).hexdigest()
+
+    @property
+    def vocabulary_source(self) -> str:
+        if self.vocabulary_learned_from_private_data is True:
+            return "private corpus, without privacy"
+        if self.vocabulary_learned_from_private_data is False:
+            return "public"
+        return UNKNOWN
+
+    def public_inputs(self) -> list[dict[str, Any]]:
+        """What the guarantees treat as public, derived from the rest of the metadata."""
+        items: list[dict[str, Any]] = []
+        for g in self.guarantees:
+            if g.ledger is not None:
+                items.append(
+                    {"input": "dataset_size", "scope": g.scope, "value": g.ledger.get("dataset_size"),
+                     "source": g.dataset_size_source}
+                )
+        items.append({"input": "vocabulary", "value": self.vocabulary_origin, "source": self.vocabulary_source})
+        items.append(
+            {"input": "recipe", "value": self.recipe_name, "source": "recipe.content" if self.recipe_content is not None
+             else "not included"}
+        )
+        for g in self.guarantees:
+            if g.private:
+                items.append({"input": "randomness_source", "scope": g.scope, "value": g.randomness_source,
+                              "source": "the run folder's randomness record (the secret itself is never released)"})
+        return items
+
     def to_dict(self) -> dict[str, Any]:
         recipe = None
         if self.recipe_content is not None:
-            recipe = {
-                "name": self.recipe_name,
-                "sha256": hashlib.sha256(self.recipe_content.encode()).hexdigest(),
-                "content": self.recipe_content,
-            }
+            recipe = {"name": self.recipe_name, "sha256": self.recipe_sha256, "content": self.recipe_content}
         return {
             "format": FORMAT,
             "private": self.private,
             "dpbert_version": self.dpbert_version,
             "guarantees": [g.to_dict() for g in self.guarantees],
             "recipe": recipe,
-            "vocabulary": {"origin": self.vocabulary_origin, "covered": self.vocabulary_covered},
-            "non_private_diagnostics": list(self.non_private_diagnostics),
+            "weights": None if self.weights is None else dict(self.weights),
+            "vocabulary": {
+                "origin": self.vocabulary_origin,
+                "covered": self.vocabulary_covered,
+                "learned_from_private_data": self.vocabulary_learned_from_private_data,
+            },
+            "public_inputs": self.public_inputs(),
+            "non_private_diagnostics": {
+                "logged": list(self.non_private_diagnostics),
+                "included": self.diagnostics is not None,
+                "values": None if self.diagnostics is None else dict(self.diagnostics),
+            },
+        }
+
+    def vocabulary_copy(self) -> dict[str, Any]:
+        """The vocabulary entry of the card's `differential_privacy` block."""
+        return {
+            "origin": self.vocabulary_origin,
+            "covered": self.vocabulary_covered,
+            "learned_from_private_data": self.vocabulary_learned_from_private_data,
         }
 
     def config_copy(self) -> dict[str, Any]:
@@ -239,6 +500,47 @@ def guarantees_from_json(data: Mapping[str, Any], where: str) -> list[Guarantee]
                 data=str(item["data"]),
                 epsilon=epsilon_from_json(item["epsilon"], f"{field}.epsilon"),
                 ledger=ledger,
+                randomness=_optional_mapping(item, "randomness", field),
+                noise=_optional_mapping(item, "noise", field),
+                unit=_optional_mapping(item, "unit", field),
             )
         )
     return out
+
+
+def metadata_from_json(data: Mapping[str, Any], where: str) -> ReleaseMetadata:
+    """The `ReleaseMetadata` a `privacy.json` dict states (epsilon as stated, not recomputed);
+    ValueError naming `where` and the field when it cannot be read."""
+    guarantees = guarantees_from_json(data, where)
+    vocabulary = data.get("vocabulary")
+    if not isinstance(vocabulary, Mapping):
+        raise ValueError(f"{where}: vocabulary: expected an object with 'origin' and 'covered'")
+    learned = vocabulary.get("learned_from_private_data")
+    if learned is not None and not isinstance(learned, bool):
+        raise ValueError(f"{where}: vocabulary.learned_from_private_data: expected true, false or null, got {learned!r}")
+    recipe = data.get("recipe")
+    if recipe is not None and (not isinstance(recipe, Mapping) or not isinstance(recipe.get("content"), str)):
+        raise ValueError(f"{where}: recipe: expected null or an object with 'name', 'sha256' and 'content'")
+    diagnostics = data.get("non_private_diagnostics")
+    if isinstance(diagnostics, Mapping):
+        logged, values = diagnostics.get("logged") or (), diagnostics.get("values")
+    else:  # the list of names older releases wrote
+        logged, values = diagnostics or (), None
+    weights = data.get("weights")
+    if weights is not None and not isinstance(weights, Mapping):
+        raise ValueError(f"{where}: weights: expected an object {{file: sha256}}, got {weights!r}")
+    try:
+        return ReleaseMetadata(
+            guarantees=tuple(guarantees),
+            vocabulary_origin=str(vocabulary.get("origin") or ""),
+            vocabulary_covered=vocabulary.get("covered") is True,
+            vocabulary_learned_from_private_data=learned,
+            recipe_name=None if recipe is None else recipe.get("name"),
+            recipe_content=None if recipe is None else recipe["content"],
+            non_private_diagnostics=tuple(str(name) for name in logged),
+            diagnostics=None if values is None else dict(values),
+            weights=None if weights is None else dict(weights),
+            dpbert_version=str(data.get("dpbert_version", dpbert.__version__)),
+        )
+    except ValueError as err:
+        raise ValueError(f"{where}: {err}") from err

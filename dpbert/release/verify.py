@@ -1,43 +1,94 @@
-"""Verify a release's privacy metadata: recompute epsilon and compare every copy of it.
+"""Verify a release: every published privacy claim agrees with every other and with the recipe it carries.
 
-For every guarantee in `privacy.json`, epsilon is recomputed from its ledger (stages of Poisson sampling
-rate, noise multiplier and steps, at the ledger's delta, with the ledger's accountant; see
-`dpbert.release.metadata.recompute_epsilon`) and compared, with relative tolerance `rtol`, against
+`verify_folder` checks, and names the file and field of each failure with what was expected:
 
-- the epsilon `privacy.json` states for that guarantee,
-- the card's front matter (`README.md`: `differential_privacy.guarantees`, matched by scope; delta,
-  accountant and privacy unit must equal the ledger's too, and `truncation_delta`, the delta that
-  truncating Poisson samples adds, must match its recomputation),
-- `config.json`'s `differential_privacy` copy.
+1. **The ledgers are well formed** (`privacy.json`, each guarantee's `ledger`): a known accountant
+   (pld, rdp), privacy unit (one example sequence), sampling (poisson) and neighbouring relation; at
+   least one stage, each of at least one step; an integer dataset size N >= 1 and delta < 1/N; a known
+   `dataset_size_source`.
+2. **Epsilon is recomputed** from each ledger (stages of Poisson sampling rate, noise multiplier and
+   steps, at the ledger's delta, with its accountant; `dpbert.release.metadata.recompute_epsilon`) and
+   must equal, within `rtol`, the epsilon privacy.json states; the stated `private` flags must follow;
+   a ledger must not spend more than its own `target_epsilon`, nor lose more than 1% of delta to
+   truncated Poisson samples (the trainer refuses both).
+3. **The ledger is rebuilt from the recipe** the release carries (`recipe.content`). A pretraining
+   guarantee: the recipe is parsed (`dpbert.train.recipe`) and its DP plan rebuilt by
+   `dpbert.train.pretrain.make_plan` for the ledger's N (the recipe's declared
+   `privacy.dataset_size`, else N rounded down to 2 significant digits, which is what the trainer
+   uses); calibration is deterministic, so every field (stages, expected and physical batch sizes,
+   sampling rates, noise multipliers, steps, delta, clip norm, accountant, target, N and its source)
+   must be equal, and a difference is named ("privacy.json: guarantees[0].ledger.stages[1]
+   .noise_multiplier: 1.23 in the ledger, 0.61 rebuilt from the recipe"); the unit's sequence length
+   must be the recipe's `data.seq_len`. A fine-tuning guarantee ("fine-tuning (TASK)"): the recipe is
+   the fine-tuning config and the ledger is rebuilt by `dpbert.train.finetune.plan_dp` for the ledger's
+   N. What cannot be rebuilt is reported in `VerificationResult.not_checked`, not failed: a release
+   without a recipe, and the pretraining guarantee a fine-tuned model inherits (its recipe is in the
+   source checkpoint's release, not in this one). A private guarantee of any other scope fails.
+4. **The recipe's sha256** equals the sha256 of its content.
+5. **The weights** are the ones published: privacy.json's `weights` records the sha256 of every weight
+   file (model.safetensors, or every shard and its index), and the folder holds exactly those files
+   with exactly those hashes. A folder holding a noise secret fails.
+6. **The randomness** of every private guarantee is recorded as a secret: "os-csprng" passes,
+   "supplied-file" passes with a warning (whoever holds the file can regenerate the noise), anything
+   else (missing, unknown) fails. The exact-Gaussian note (`noise`) is recomputed when the noise
+   module can bound its sampler; an unbounded or missing note is reported in `not_checked`.
+7. **What is public is stated**: `public_inputs` equals what the rest of privacy.json implies (each N
+   and its source, the vocabulary, the recipe, each randomness source).
+8. **Every copy agrees**: the card's front matter (`README.md`: `differential_privacy.guarantees`,
+   matched by scope) and `config.json`'s `differential_privacy` must carry the recomputed epsilon and
+   every other field of the guarantee's summary (delta, accountant, privacy unit, sampling, N, its
+   source, randomness, truncation delta); the card's vocabulary entry and audits must equal
+   privacy.json's; the `private` flag must be "every guarantee is private" in all three files.
+9. **Tags**: `differential-privacy`/`dp-sgd` on the card exactly when every guarantee is private and
+   the vocabulary was not learned from the private corpus without privacy; a release whose vocabulary
+   was (`vocabulary.learned_from_private_data`) carrying them fails.
 
-A guarantee without a ledger is non-private: epsilon must be infinity everywhere. The release-level
-`private` flag must equal "every guarantee is private" in all three files, and a non-private release
-must not carry the `differential-privacy`/`dp-sgd` tags. Missing metadata is a failure, named by file.
-Audited figures (empirical lower bounds, `dpbert.release.audited`) are not guarantees and are not
-recomputed, but the card's `differential_privacy.audits` must equal privacy.json's `audits`.
+Missing metadata is a failure, named by file. Audited figures (empirical lower bounds,
+`dpbert.release.audited`) are not guarantees and are not recomputed. What `verify` cannot prove: that
+the weights were really produced by this recipe on this data with secret noise. It checks that the
+published claims are consistent, not how training ran (docs/THREAT_MODEL.md).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
+import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from dpbert.release.card import CARD_FILE, DP_TAGS, read_front_matter
 from dpbert.release.metadata import (
+    NEVER_RELEASED,
     PRIVACY_FILE,
     PRIVACY_UNIT,
+    SUPPLIED_FILE,
+    UNKNOWN,
+    Guarantee,
     epsilon_from_json,
     guarantees_from_json,
+    metadata_from_json,
+    noise_record,
     read_privacy_json,
     recompute_epsilon,
     recompute_truncation_delta,
+    sha256_file,
+    weight_files,
 )
 
 DEFAULT_RTOL = 1e-3
+# Rebuilt plans are deterministic and JSON keeps every bit of a float: anything beyond rounding differs.
+REBUILD_RTOL = 1e-9
+PRETRAINING = "pretraining"
+FINE_TUNING = "fine-tuning"
+# The trainer refuses a plan whose truncated Poisson samples cost more than this fraction of delta.
+MAX_TRUNCATION_DELTA_FRACTION = 0.01
+# Policy switch: when True, a private guarantee that could be rebuilt from a recipe but whose release
+# carries none fails instead of being reported in `not_checked`.
+REQUIRE_RECIPE = False
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -49,6 +100,7 @@ class GuaranteeCheck:
     recomputed_epsilon: float
     delta: float | None
     accountant: str | None
+    rebuilt: bool = False  # its ledger was rebuilt from the recipe and matched
 
     @property
     def private(self) -> bool:
@@ -57,11 +109,18 @@ class GuaranteeCheck:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class VerificationResult:
-    """The outcome of `verify`. `ok` is true when `problems` is empty; `private` is the recomputed status."""
+    """The outcome of `verify`. `ok` is true when `problems` is empty; `private` is the recomputed status
+    of the guarantees. `warnings` are printed but do not fail; `not_checked` says what could not be
+    checked (a ledger without a recipe to rebuild it from, an unbounded noise sampler);
+    `vocabulary_from_private_data` is privacy.json's
+    `vocabulary.learned_from_private_data` (None: unknown)."""
 
     path: Path
     checks: tuple[GuaranteeCheck, ...]
     problems: tuple[str, ...]
+    warnings: tuple[str, ...] = ()
+    not_checked: tuple[str, ...] = ()
+    vocabulary_from_private_data: bool | None = None
 
     @property
     def ok(self) -> bool:
@@ -75,15 +134,24 @@ class VerificationResult:
     def status(self) -> str:
         if not self.ok:
             return "FAILED"
-        return "private" if self.private else "non-private"
+        if not self.private:
+            return "non-private"
+        return "private (except its vocabulary)" if self.vocabulary_from_private_data else "private"
 
     def summary(self) -> str:
         lines = [f"{self.path}: {self.status}"]
         for c in self.checks:
             if c.private:
-                lines.append(f"  {c.scope}: epsilon = {c.recomputed_epsilon:.6g} at delta = {c.delta:g} ({c.accountant})")
+                rebuilt = "; ledger rebuilt from the recipe" if c.rebuilt else ""
+                lines.append(
+                    f"  {c.scope}: epsilon = {c.recomputed_epsilon:.6g} at delta = {c.delta:g} ({c.accountant}){rebuilt}"
+                )
             else:
                 lines.append(f"  {c.scope}: NOT private (epsilon = infinity)")
+        if self.vocabulary_from_private_data:
+            lines.append("  vocabulary: learned from the private corpus without privacy; NOT covered by any guarantee")
+        lines += [f"  not checked: {n}" for n in self.not_checked]
+        lines += [f"  warning: {w}" for w in self.warnings]
         lines += [f"  problem: {p}" for p in self.problems]
         return "\n".join(lines)
 
@@ -103,14 +171,291 @@ def _fmt(value: float) -> str:
     return "infinity" if math.isinf(value) else f"{value:.6g}"
 
 
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _same(a: Any, b: Any, rtol: float = REBUILD_RTOL) -> bool:
+    if _is_number(a) and _is_number(b):
+        return _close(float(a), float(b), rtol) if rtol else float(a) == float(b)
+    return a == b
+
+
+def _show(value: Any, other: Any = None) -> str:
+    """A value for a message: floats to 6 significant digits (all of them when that hides a difference)."""
+    if isinstance(value, float):
+        short = f"{value:.6g}"
+        return repr(value) if isinstance(other, float) and short == f"{other:.6g}" else short
+    if value is None:
+        return "null"
+    return repr(value) if isinstance(value, str) else str(value)
+
+
+# ---- 1-2: the ledgers themselves
+
+
+def _ledger_problems(field: str, ledger: Mapping[str, Any]) -> list[str]:
+    """Structural problems of one ledger; `field` is e.g. '.../privacy.json: guarantees[0].ledger'."""
+    from dpbert.privacy.accounting import ACCOUNTANTS, DATASET_SIZE_SOURCES, NEIGHBORING_RELATION, SAMPLING
+
+    problems = []
+    if ledger.get("accountant") not in ACCOUNTANTS:
+        problems.append(f"{field}.accountant: {ledger.get('accountant')!r} is not a known accountant "
+                        f"(expected one of {list(ACCOUNTANTS)})")
+    if ledger.get("privacy_unit", PRIVACY_UNIT) != PRIVACY_UNIT:
+        problems.append(f"{field}.privacy_unit: {ledger.get('privacy_unit')!r} is not a known privacy unit "
+                        f"(expected {PRIVACY_UNIT!r})")
+    if ledger.get("sampling", SAMPLING) != SAMPLING:
+        problems.append(f"{field}.sampling: {ledger.get('sampling')!r} is not what the accountant models "
+                        f"(expected {SAMPLING!r})")
+    if ledger.get("neighboring_relation", NEIGHBORING_RELATION) != NEIGHBORING_RELATION:
+        problems.append(f"{field}.neighboring_relation: {ledger.get('neighboring_relation')!r} is not known "
+                        f"(expected {NEIGHBORING_RELATION!r})")
+    source = ledger.get("dataset_size_source")
+    if source is not None and source not in DATASET_SIZE_SOURCES:
+        problems.append(
+            f"{field}.dataset_size_source: {source!r} is not known (expected one of {list(DATASET_SIZE_SOURCES)})"
+        )
+    n, delta = ledger.get("dataset_size"), ledger.get("delta")
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        problems.append(f"{field}.dataset_size: {n!r} (expected an integer N >= 1)")
+    elif _is_number(delta) and delta >= 1 / n:
+        problems.append(
+            f"{field}.delta: {delta:g} >= 1/dataset_size = 1/{n} (expected delta < 1/N: a delta this large "
+            "allows publishing an example outright)"
+        )
+    stages = ledger.get("stages")
+    if not isinstance(stages, list) or not stages:
+        problems.append(f"{field}.stages: empty (expected at least one stage of DP-SGD; a ledger without steps "
+                        "is not the record of a training run)")
+    else:
+        for j, stage in enumerate(stages):
+            steps = stage.get("steps") if isinstance(stage, Mapping) else None
+            if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+                problems.append(f"{field}.stages[{j}].steps: {steps!r} (expected an integer >= 1)")
+    return problems
+
+
+# ---- 3-4: the recipe
+
+
+class _NotRebuildable(Exception):
+    """The recipe cannot say what this guarantee's ledger should be (a problem, named)."""
+
+
+@functools.lru_cache(maxsize=32)
+def _rebuilt_pretraining(content: str, dataset_size: int) -> tuple[str, int]:
+    """(rebuilt ledger JSON, data.seq_len) for a pretraining recipe and the ledger's N; cached
+    because calibrating noise takes seconds and verify runs more than once on a release."""
+    import yaml
+
+    from dpbert.privacy.accounting import round_down_significant
+    from dpbert.train.pretrain import make_plan
+    from dpbert.train.recipe import load_recipe_dict
+
+    try:
+        raw = yaml.safe_load(content)
+        recipe = load_recipe_dict(raw if isinstance(raw, Mapping) else {})
+    except (ValueError, yaml.YAMLError) as err:
+        raise _NotRebuildable(f"recipe.content: not a pretraining recipe ({err})") from None
+    if not recipe.privacy.enabled:
+        raise _NotRebuildable("recipe.content: privacy.enabled is false, yet the release carries a private ledger")
+    declared = getattr(recipe.privacy, "dataset_size", None)
+    n, source = (declared, "declared") if declared is not None else (round_down_significant(dataset_size), "rounded")
+    try:
+        plan = make_plan(recipe, n, dataset_size_source=source)
+    except ValueError as err:
+        raise _NotRebuildable(f"recipe.content: its privacy plan cannot be rebuilt for N = {n} ({err})") from None
+    return json.dumps(plan.ledger.to_dict()), recipe.data.seq_len
+
+
+@functools.lru_cache(maxsize=32)
+def _rebuilt_finetuning(content: str, dataset_size: int) -> str:
+    """Rebuilt ledger JSON of a DP fine-tuning config for the ledger's n (see `_rebuilt_pretraining`)."""
+    from dpbert.train.finetune import load_config, plan_dp
+
+    with tempfile.TemporaryDirectory(prefix=".dpbert-verify-") as tmp:
+        path = Path(tmp) / "finetune.yaml"
+        path.write_text(content)
+        try:
+            config = load_config(path)
+        except ValueError as err:
+            raise _NotRebuildable(
+                f"recipe.content: not a fine-tuning config ({str(err).replace(f' (in {path})', '')})"
+            ) from None
+    if not config.dp:
+        raise _NotRebuildable("recipe.content: dp is false, yet the release carries a private fine-tuning ledger")
+    try:
+        plan = plan_dp(dataset_size, config)
+    except ValueError as err:
+        raise _NotRebuildable(f"recipe.content: its DP plan cannot be rebuilt for n = {dataset_size} ({err})") from None
+    return json.dumps(plan.ledger.to_dict())
+
+
+def _compare_rebuilt(field: str, stated: Any, rebuilt: Any) -> list[str]:
+    """Every difference between a ledger (`stated`) and the one rebuilt from the recipe, by field."""
+    if isinstance(stated, Mapping) and isinstance(rebuilt, Mapping):
+        problems = []
+        for key in [*rebuilt, *(k for k in stated if k not in rebuilt)]:
+            if key not in stated:
+                problems.append(f"{field}.{key}: missing in the ledger, {_show(rebuilt[key])} rebuilt from the recipe")
+            elif key not in rebuilt:
+                problems.append(f"{field}.{key}: {_show(stated[key])} in the ledger, absent from the ledger rebuilt "
+                                "from the recipe")
+            else:
+                problems += _compare_rebuilt(f"{field}.{key}", stated[key], rebuilt[key])
+        return problems
+    if isinstance(stated, list) and isinstance(rebuilt, list):
+        problems = []
+        if len(stated) != len(rebuilt):
+            noun = "stage(s)" if field.endswith(".stages") else "entries"
+            problems.append(f"{field}: {len(stated)} {noun} in the ledger, {len(rebuilt)} rebuilt from the recipe")
+        for j, (a, b) in enumerate(zip(stated, rebuilt, strict=False)):
+            problems += _compare_rebuilt(f"{field}[{j}]", a, b)
+        return problems
+    if _same(stated, rebuilt):
+        return []
+    return [f"{field}: {_show(stated, rebuilt)} in the ledger, {_show(rebuilt, stated)} rebuilt from the recipe"]
+
+
+def _is_finetuning(scope: str) -> bool:
+    return scope == FINE_TUNING or scope.startswith(FINE_TUNING + " ")
+
+
+def _recipe_checks(
+    privacy_path: str, data: Mapping[str, Any], guarantees: list[Guarantee], checks: dict[str, GuaranteeCheck]
+) -> tuple[list[str], list[str], set[str]]:
+    """(problems, not checked, scopes rebuilt) of checks 3 and 4 (module docstring)."""
+    import hashlib
+
+    problems: list[str] = []
+    notes: list[str] = []
+    rebuilt: set[str] = set()
+    recipe = data.get("recipe")
+    content = recipe.get("content") if isinstance(recipe, Mapping) else None
+    if recipe is not None:
+        if not isinstance(content, str):
+            return [f"{privacy_path}: recipe.content: expected the resolved recipe as a string"], notes, rebuilt
+        digest = hashlib.sha256(content.encode()).hexdigest()
+        if recipe.get("sha256") != digest:
+            problems.append(f"{privacy_path}: recipe.sha256: {recipe.get('sha256')!r} but recipe.content hashes to "
+                            f"{digest!r}")
+    finetuned = any(_is_finetuning(g.scope) for g in guarantees)
+    for i, g in enumerate(guarantees):
+        if g.ledger is None or not checks[g.scope].private:
+            continue  # a non-private guarantee claims nothing to rebuild
+        field = f"{privacy_path}: guarantees[{i}].ledger"
+        if g.scope == PRETRAINING and finetuned:
+            notes.append(f"{g.scope}: this fine-tuned release carries its fine-tuning recipe only; the pretraining "
+                         "ledger was copied from the source checkpoint, whose own release carries its recipe")
+            continue
+        if g.scope != PRETRAINING and not _is_finetuning(g.scope):
+            problems.append(f"{privacy_path}: guarantees[{i}].scope: {g.scope!r} has no recipe dpbert can rebuild "
+                            "(expected 'pretraining' or 'fine-tuning (TASK)')")
+            continue
+        if content is None:
+            message = f"{g.scope}: the release carries no recipe, so its ledger was not rebuilt"
+            if REQUIRE_RECIPE:
+                problems.append(f"{privacy_path}: recipe: missing; {message}")
+            else:
+                notes.append(message)
+            continue
+        n = int(g.ledger["dataset_size"])
+        try:
+            if g.scope == PRETRAINING:
+                ledger_json, seq_len = _rebuilt_pretraining(content, n)
+                tokens = (g.unit or {}).get("sequence_tokens")
+                if tokens is not None and tokens != seq_len:
+                    problems.append(f"{privacy_path}: guarantees[{i}].unit.sequence_tokens: {tokens} stated, "
+                                    f"{seq_len} in the recipe (data.seq_len)")
+            else:
+                ledger_json = _rebuilt_finetuning(content, n)
+        except _NotRebuildable as err:
+            problems.append(f"{privacy_path}: {err}")
+            continue
+        found = _compare_rebuilt(field, g.ledger, json.loads(ledger_json))
+        problems += found
+        if not found:
+            rebuilt.add(g.scope)
+    return problems, notes, rebuilt
+
+
+# ---- 5-6: weights, secrets, randomness and noise
+
+
+def _weight_problems(folder: Path, privacy_path: str, recorded: Any) -> list[str]:
+    problems = [f"{folder / name}: a noise secret is in the release; it must never be published"
+                for name in NEVER_RELEASED if (folder / name).exists()]
+    if not isinstance(recorded, Mapping) or not recorded:
+        return problems + [f"{privacy_path}: weights: missing (expected the sha256 of every weight file, which "
+                           "`dpbert export` records; re-export the release)"]
+    present = weight_files(folder)
+    for name in present:
+        if name not in recorded:
+            problems.append(f"{privacy_path}: weights: {name} is in the release but its sha256 is not recorded")
+    for name, expected in recorded.items():
+        path = folder / str(name)
+        if Path(str(name)).name != name:
+            problems.append(f"{privacy_path}: weights: {name!r} is not a file name of the release folder")
+            continue
+        if not path.is_file():
+            problems.append(f"{privacy_path}: weights.{name}: recorded, but {path} is missing")
+            continue
+        actual = sha256_file(path)
+        if actual != expected:
+            problems.append(f"{privacy_path}: weights.{name}: sha256 {str(expected)[:16]}... in privacy.json, "
+                            f"{actual[:16]}... for the file (the weights are not the ones released)")
+    return problems
+
+
+def _randomness_and_noise(
+    privacy_path: str, guarantees: list[Guarantee], checks: dict[str, GuaranteeCheck]
+) -> tuple[list[str], list[str], list[str]]:
+    """(problems, warnings, not checked) of check 6."""
+    problems, warnings, notes = [], [], []
+    for i, g in enumerate(guarantees):
+        if g.ledger is None or not checks[g.scope].private:
+            continue
+        source = g.randomness_source
+        if source == UNKNOWN:
+            problems.append(
+                f"{privacy_path}: randomness of '{g.scope}' (guarantees[{i}].randomness) is unknown: nothing records "
+                "that its noise came from a secret (expected source 'os-csprng' or 'supplied-file'), so the "
+                "guarantee cannot be relied on"
+            )
+        elif source == SUPPLIED_FILE:
+            warnings.append(
+                f"{g.scope}: the noise secret was supplied from a file (randomness 'supplied-file'): whoever holds "
+                "that file can regenerate the noise; the guarantee holds against everyone else"
+            )
+        noise = g.noise
+        if not noise:
+            notes.append(f"{g.scope}: no exact-Gaussian note (noise) is recorded")
+            continue
+        stated = noise.get("tail_bound")
+        again = noise_record(g.ledger, coordinates=noise.get("coordinates"))
+        if stated is None or again.get("tail_bound") is None:
+            notes.append(f"{g.scope}: no bound on the noise's deviation from the exact Gaussian is recorded "
+                         f"(sampler: {noise.get('sampler')})")
+            continue
+        if not (_is_number(stated) and _close(float(stated), float(again["tail_bound"]), 1e-6)):
+            problems.append(f"{privacy_path}: guarantees[{i}].noise.tail_bound: {_show(stated)} stated, "
+                            f"{_show(again['tail_bound'])} recomputed from the ledger")
+        elif float(again["tail_bound"]) > 1e-3 * float(g.ledger["delta"]):
+            problems.append(f"{privacy_path}: guarantees[{i}].noise.tail_bound: {_show(stated)} exceeds 1e-3 of "
+                            f"delta ({float(g.ledger['delta']):g}); the noise is not the Gaussian the accountant assumes")
+    return problems, warnings, notes
+
+
+# ---- 8-9: the copies in the card and config.json
+
+
 def _compare_copy(
     where: str,
     block: Any,
     checks: Mapping[str, GuaranteeCheck],
-    ledgers: Mapping[str, Mapping[str, Any] | None],
+    guarantees: Mapping[str, Guarantee],
     rtol: float,
-    *,
-    strict_fields: bool,
 ) -> list[str]:
     """Problems of one copy (card front matter or config.json) of the `differential_privacy` block."""
     if not isinstance(block, Mapping):
@@ -142,27 +487,18 @@ def _compare_copy(
                 f"{where}: epsilon for '{scope}' is {_fmt(stated)} but the ledger in {PRIVACY_FILE} gives "
                 f"{_fmt(check.recomputed_epsilon)} (recomputed with {check.accountant} at delta={check.delta})"
             )
-        ledger = ledgers[scope]
-        if ledger is None:
+        g = guarantees[scope]
+        if g.ledger is None:
             continue
-        fields = {"delta": float(ledger["delta"]), "accountant": str(ledger["accountant"])}
-        if strict_fields:
-            fields["privacy_unit"] = str(ledger.get("privacy_unit", PRIVACY_UNIT))
-        for key, expected in fields.items():
-            value = entry.get(key)
-            same = (
-                isinstance(value, (int, float)) and math.isclose(float(value), expected, rel_tol=1e-9)
-                if isinstance(expected, float)
-                else value == expected
-            )
-            if not same:
-                problems.append(f"{where}: {key} for '{scope}' is {value!r} but {PRIVACY_FILE} has {expected!r}")
-        truncation = recompute_truncation_delta(ledger) if check.private else 0.0
+        expected = dataclasses.replace(g, epsilon=check.recomputed_epsilon).summary()
+        for key, value in expected.items():
+            if key in ("scope", "epsilon", "truncation_delta"):
+                continue
+            if not _same(entry.get(key), value, 1e-9):
+                problems.append(f"{where}: {key} for '{scope}' is {entry.get(key)!r} but {PRIVACY_FILE} has {value!r}")
+        truncation = recompute_truncation_delta(g.ledger) if check.private else 0.0
         stated_truncation = entry.get("truncation_delta", 0.0)
-        if not (
-            isinstance(stated_truncation, (int, float))
-            and math.isclose(float(stated_truncation), truncation, rel_tol=rtol)
-        ):
+        if not (_is_number(stated_truncation) and math.isclose(float(stated_truncation), truncation, rel_tol=rtol)):
             problems.append(
                 f"{where}: truncation_delta for '{scope}' is {stated_truncation!r} but the ledger gives {truncation:g}"
             )
@@ -173,37 +509,77 @@ def verify_folder(folder: str | Path, *, rtol: float = DEFAULT_RTOL) -> Verifica
     """Verify a local release folder (see the module docstring)."""
     folder = Path(folder)
     privacy_path, card_path, config_path = folder / PRIVACY_FILE, folder / CARD_FILE, folder / "config.json"
+    where = str(privacy_path)
     try:
         data = read_privacy_json(folder)
-        guarantees = guarantees_from_json(data, str(privacy_path))
+        guarantees = guarantees_from_json(data, where)
     except (FileNotFoundError, ValueError) as err:
         return VerificationResult(path=folder, checks=(), problems=(str(err),))
 
+    # 1-2: each ledger, and epsilon recomputed from it
     problems: list[str] = []
     checks: dict[str, GuaranteeCheck] = {}
-    ledgers: dict[str, Mapping[str, Any] | None] = {}
-    for g in guarantees:
-        ledgers[g.scope] = g.ledger
+    by_scope: dict[str, Guarantee] = {}
+    for i, g in enumerate(guarantees):
+        by_scope[g.scope] = g
+        if g.ledger is not None:
+            found = _ledger_problems(f"{where}: guarantees[{i}].ledger", g.ledger)
+            if found:
+                problems += found
+                continue
         try:
             recomputed = recompute_epsilon(g.ledger) if g.ledger is not None else math.inf
         except (KeyError, TypeError, ValueError) as err:
-            problems.append(f"{privacy_path}: ledger of '{g.scope}' cannot be recomputed ({err!r})")
+            problems.append(f"{where}: ledger of '{g.scope}' cannot be recomputed ({err!r})")
             continue
         checks[g.scope] = GuaranteeCheck(
             scope=g.scope, stated_epsilon=g.epsilon, recomputed_epsilon=recomputed, delta=g.delta, accountant=g.accountant
         )
         if not _close(g.epsilon, recomputed, rtol):
             problems.append(
-                f"{privacy_path}: epsilon for '{g.scope}' is {_fmt(g.epsilon)} but its ledger gives "
+                f"{where}: epsilon for '{g.scope}' is {_fmt(g.epsilon)} but its ledger gives "
                 f"{_fmt(recomputed)} (recomputed with {g.accountant} at delta={g.delta})"
             )
+        stated_private = (data["guarantees"][i] or {}).get("private")
+        if stated_private is not None and stated_private is not math.isfinite(recomputed):
+            problems.append(f"{where}: guarantees[{i}].private is {stated_private!r} but its recomputed epsilon is "
+                            f"{_fmt(recomputed)}")
+        if g.ledger is not None and math.isfinite(recomputed):
+            target = g.ledger.get("target_epsilon")
+            if _is_number(target) and recomputed > target * (1 + rtol):
+                problems.append(f"{where}: guarantees[{i}].ledger.target_epsilon: the ledger spends epsilon "
+                                f"{_fmt(recomputed)} > its target {target:g} (the trainer refuses such a plan)")
+            truncation = recompute_truncation_delta(g.ledger)
+            if truncation > MAX_TRUNCATION_DELTA_FRACTION * g.ledger["delta"]:
+                problems.append(f"{where}: guarantees[{i}].ledger.stages: truncated Poisson samples add delta "
+                                f"{truncation:.3g} > {MAX_TRUNCATION_DELTA_FRACTION:g} * delta (physical_batch_size "
+                                "too small; the trainer refuses such a plan)")
     if problems:
         return VerificationResult(path=folder, checks=tuple(checks.values()), problems=tuple(problems))
 
     private = all(c.private for c in checks.values())
     if data.get("private") is not private:
-        problems.append(f"{privacy_path}: 'private' is {data.get('private')!r} but the recomputed ledgers say {private}")
+        problems.append(f"{where}: 'private' is {data.get('private')!r} but the recomputed ledgers say {private}")
+    try:
+        meta = metadata_from_json(data, where)
+    except ValueError as err:
+        return VerificationResult(path=folder, checks=tuple(checks.values()), problems=(*problems, str(err)))
 
+    # 3-4: the recipe; 5: the weights; 6: randomness and noise
+    found, not_checked, rebuilt = _recipe_checks(where, data, guarantees, checks)
+    problems += found
+    checks = {s: dataclasses.replace(c, rebuilt=s in rebuilt) for s, c in checks.items()}
+    problems += _weight_problems(folder, where, data.get("weights"))
+    found, warnings, notes = _randomness_and_noise(where, guarantees, checks)
+    problems += found
+    not_checked += notes
+
+    # 7: what is public
+    if data.get("public_inputs") != meta.public_inputs():
+        problems.append(f"{where}: public_inputs: {data.get('public_inputs')!r} but the rest of {PRIVACY_FILE} states "
+                        f"{meta.public_inputs()!r}")
+
+    # 8-9: the card and config.json
     if not card_path.is_file():
         problems.append(f"{card_path}: missing (the model card must state the guarantee)")
     else:
@@ -212,19 +588,25 @@ def verify_folder(folder: str | Path, *, rtol: float = DEFAULT_RTOL) -> Verifica
         except ValueError as err:
             problems.append(str(err))
         else:
-            problems += _compare_copy(
-                str(card_path), matter.get("differential_privacy"), checks, ledgers, rtol, strict_fields=True
-            )
             block = matter.get("differential_privacy")
+            problems += _compare_copy(str(card_path), block, checks, by_scope, rtol)
+            card_vocabulary = block.get("vocabulary") if isinstance(block, Mapping) else None
+            if card_vocabulary != meta.vocabulary_copy():
+                problems.append(f"{card_path}: differential_privacy.vocabulary is {card_vocabulary!r} but "
+                                f"{PRIVACY_FILE} states {meta.vocabulary_copy()!r}")
             card_audits = (block.get("audits") if isinstance(block, Mapping) else None) or []
             if card_audits != (data.get("audits") or []):
-                problems.append(
-                    f"{card_path}: differential_privacy.audits differs from the audits in {privacy_path}"
-                )
+                problems.append(f"{card_path}: differential_privacy.audits differs from the audits in {privacy_path}")
             claimed = sorted(set(matter.get("tags") or ()) & set(DP_TAGS))
             if not private and claimed:
                 problems.append(f"{card_path}: a non-private release carries the tags {claimed}")
-            if private and len(claimed) != len(DP_TAGS):
+            elif meta.vocabulary_learned_from_private_data and claimed:
+                problems.append(
+                    f"{card_path}: the vocabulary was learned from the private corpus without privacy "
+                    f"({PRIVACY_FILE}: vocabulary.learned_from_private_data), so the release must not carry the tags "
+                    f"{claimed}"
+                )
+            elif private and not meta.vocabulary_learned_from_private_data and len(claimed) != len(DP_TAGS):
                 problems.append(f"{card_path}: a private release must carry the tags {list(DP_TAGS)}")
 
     if not config_path.is_file():
@@ -232,10 +614,18 @@ def verify_folder(folder: str | Path, *, rtol: float = DEFAULT_RTOL) -> Verifica
     else:
         config = json.loads(config_path.read_text())
         if "differential_privacy" in config:
-            problems += _compare_copy(
-                str(config_path), config["differential_privacy"], checks, ledgers, rtol, strict_fields=False
-            )
-    return VerificationResult(path=folder, checks=tuple(checks.values()), problems=tuple(problems))
+            problems += _compare_copy(str(config_path), config["differential_privacy"], checks, by_scope, rtol)
+        else:
+            problems.append(f"{config_path}: differential_privacy: missing (a release states its guarantee in "
+                            "config.json too)")
+    return VerificationResult(
+        path=folder,
+        checks=tuple(checks.values()),
+        problems=tuple(problems),
+        warnings=tuple(warnings),
+        not_checked=tuple(not_checked),
+        vocabulary_from_private_data=meta.vocabulary_learned_from_private_data,
+    )
 
 
 def verify(path_or_repo_id: str | Path, *, revision: str | None = None, rtol: float = DEFAULT_RTOL) -> VerificationResult:
@@ -243,3 +633,4 @@ def verify(path_or_repo_id: str | Path, *, revision: str | None = None, rtol: fl
     from dpbert.release.hub import pull
 
     return verify_folder(pull(path_or_repo_id, revision=revision, verify=False), rtol=rtol)
+
