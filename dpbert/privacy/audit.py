@@ -257,3 +257,105 @@ def _check_scores(scores: np.ndarray, included: np.ndarray) -> int:
     if not np.all(np.isfinite(scores)):
         raise ValueError("scores: expected finite numbers, got NaN or infinity")
     return int(scores.size)
+
+
+# ---------------------------------------------------------------- ROC figures (empirical)
+#
+# Besides the lower bound, an audit reports how well its scores separate members from non-members:
+# the area under the ROC curve and the true-positive rate at low false-positive rates. Both are taken
+# on the ROC curve's concave majorant (a guesser may randomize between two thresholds), the definition
+# of jax-privacy's `CanaryScoreAuditor` (`attack_auroc`, `tpr_at_given_fpr`), against which
+# tests/test_crosscheck.py compares them. They describe the attack, not the mechanism: empirical
+# figures, never privacy guarantees.
+
+LOW_FPRS = (0.01, 0.001)
+EMPIRICAL = (
+    "empirical: AUROC, TPR at low FPR and every epsilon lower bound are measured on the audit's canaries "
+    "(lower bounds on epsilon at the stated confidence); none is a privacy guarantee"
+)
+
+
+def roc_hull(scores: np.ndarray, included: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Vertices (false positives, true positives), as integer counts from (0, 0) to (out, in), of the
+    concave majorant of the ROC curve of guessing "in" for every score >= a threshold."""
+    scores = np.asarray(scores, dtype=np.float64)
+    included = np.asarray(included, dtype=bool)
+    m = _check_scores(scores, included)
+    n_in = int(included.sum())
+    if n_in in (0, m):
+        raise ValueError("included: expected canaries both in and out of the training set")
+    order = np.argsort(-scores, kind="stable")
+    s, inc = scores[order], included[order]
+    tp, fp = np.cumsum(inc), np.cumsum(~inc)
+    last = np.r_[s[1:] != s[:-1], True]  # one point per distinct score: ties move together
+    points = [(0, 0)] + list(zip(fp[last].tolist(), tp[last].tolist(), strict=True))
+    hull: list[tuple[int, int]] = []
+    for x, y in points:  # monotone chain, upper hull, exact integer cross products
+        while len(hull) >= 2:
+            (x0, y0), (x1, y1) = hull[-2], hull[-1]
+            if (x1 - x0) * (y - y0) - (y1 - y0) * (x - x0) >= 0:
+                hull.pop()
+            else:
+                break
+        hull.append((x, y))
+    xs, ys = np.array(hull, dtype=np.int64).T
+    return xs, ys
+
+
+def auroc(scores: np.ndarray, included: np.ndarray) -> float:
+    """Area under the ROC curve's concave majorant (0.5: the scores tell nothing; 1: perfectly)."""
+    fp, tp = roc_hull(scores, included)
+    fpr, tpr = fp / fp[-1], tp / tp[-1]
+    return float(np.sum((fpr[1:] - fpr[:-1]) * (tpr[1:] + tpr[:-1])) / 2)
+
+
+def tpr_at_fpr(scores: np.ndarray, included: np.ndarray, fpr: float | Sequence[float]) -> np.ndarray:
+    """Largest true-positive rate at false-positive rate `fpr` (each of them), on the concave majorant."""
+    fp, tp = roc_hull(scores, included)
+    targets = np.atleast_1d(np.asarray(fpr, dtype=np.float64))
+    if not np.all((targets >= 0) & (targets <= 1)):
+        raise ValueError(f"fpr: expected rates in [0, 1], got {fpr!r}")
+    out = np.empty_like(targets)
+    for i, f in enumerate(targets):
+        x = f * fp[-1]
+        j = min(int(np.searchsorted(fp, x, side="right")), len(fp) - 1)
+        if fp[j] == fp[j - 1]:
+            out[i] = tp[j] / tp[-1]
+            continue
+        w = (x - fp[j - 1]) / (fp[j] - fp[j - 1])
+        out[i] = (tp[j - 1] + w * (tp[j] - tp[j - 1])) / tp[-1]
+    return out
+
+
+def empirical_figures(
+    scores: np.ndarray,
+    included: np.ndarray,
+    *,
+    delta: float,
+    confidence: float = 0.95,
+    fprs: Sequence[float] = LOW_FPRS,
+) -> dict[str, object]:
+    """dpbert's ROC figures of an audit (`auroc`, `tpr_at_fpr`: [{fpr, tpr}]) and, next to them, the
+    figures of jax-privacy's canary auditor when it is installed (`jax_privacy`:
+    `dpbert.privacy.crosscheck.jax_privacy_audit_figures`, with `available: true`; else
+    `available: false` and a `note`). Every figure is empirical (`EMPIRICAL`)."""
+    from dpbert.privacy import crosscheck
+
+    included = np.asarray(included, dtype=bool)
+    if included.all() or not included.any():  # a fair coin per canary: rare unless m is tiny
+        note = "every canary was on the same side (all in or all out): no ROC curve"
+        return {"auroc": None, "tpr_at_fpr": None, "jax_privacy": {"available": False, "note": note},
+                "empirical": EMPIRICAL}
+    tprs = tpr_at_fpr(scores, included, fprs)
+    jp: dict[str, object]
+    if crosscheck.jax_privacy_version() is None:
+        jp = {"available": False, "note": crosscheck.MISSING}
+    else:
+        jp = {"available": True, **crosscheck.jax_privacy_audit_figures(
+            scores, included, delta=delta, confidence=confidence, fprs=fprs)}
+    return {
+        "auroc": auroc(scores, included),
+        "tpr_at_fpr": [{"fpr": float(f), "tpr": float(t)} for f, t in zip(fprs, tprs, strict=True)],
+        "jax_privacy": jp,
+        "empirical": EMPIRICAL,
+    }

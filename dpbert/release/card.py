@@ -1,14 +1,26 @@
-"""Model cards (README.md) rendered from the Jinja2 templates in `dpbert/release/templates/` (package data).
+"""Model cards (README.md) rendered from the Jinja2 templates of the top-level `model_cards/` folder.
+
+The templates are installed with dpbert as the package `dpbert.model_cards` (pyproject.toml maps
+`model_cards/` to it); `templates_dir()` says where they were found. `model_cards/README.md` states
+the card's privacy contract field by field, and `model_cards/golden/` holds rendered examples.
 
 The YAML front matter is built here as data (so it is always valid YAML that
 `huggingface_hub.ModelCard.load` parses): `library_name: transformers`, `pipeline_tag` (`fill-mask`
 unless `CardInfo.pipeline_tag` says otherwise, e.g. `text-classification` for a fine-tuned classifier),
 tags, a `differential_privacy` block with every guarantee (scope, data, private, epsilon (`.inf` when not
-private), delta, accountant, privacy_unit, sampling, dataset_size, and truncation_delta when Poisson
-samples were truncated) and a `model-index` entry with the
-held-out masked-LM accuracy and any `CardInfo.model_index_results` (e.g. GLUE dev metrics). The body
-comes from a Jinja2 template. A release that is not private gets no `differential-privacy`/`dp-sgd`
-tags and says plainly that epsilon is infinity.
+private), delta, accountant, privacy_unit, sampling, dataset_size and dataset_size_source, randomness,
+and truncation_delta when Poisson samples were truncated) and the vocabulary (origin, covered,
+learned_from_private_data), and a `model-index` entry with the held-out masked-LM accuracy and any
+`CardInfo.model_index_results` (e.g. GLUE dev metrics). The body comes from a Jinja2 template; the
+per-guarantee table is the shared `_guarantee.md.j2`.
+
+Tags: `differential-privacy`/`dp-sgd` only when every guarantee is private AND the vocabulary was not
+learned from the private data without privacy (`ReleaseMetadata.fully_private`); otherwise
+`non-private` (plus `non-private-vocabulary` for such a vocabulary), and the body says plainly what is
+not private. The body states what the guarantees treat as public (each dataset size N and its source,
+the vocabulary, the recipe, the randomness source), what one privacy unit is for this corpus (sequence
+length, sequences per document), and keeps data-dependent training figures under "Non-private
+diagnostics" (their values only when the export included them).
 
 `with_audits` adds empirical audit figures (`dpbert.release.audited`) to an existing card: a
 `differential_privacy.audits` list in the front matter and a section labelled as an empirical lower
@@ -26,12 +38,15 @@ from typing import Any
 
 import yaml
 
-from dpbert.release.metadata import ReleaseMetadata
+from dpbert.release.metadata import OS_CSPRNG, PRIVACY_UNIT, SUPPLIED_FILE, Guarantee, ReleaseMetadata
 
 CARD_FILE = "README.md"
 DEFAULT_TEMPLATE = "bert_mlm.md.j2"
 DP_TAGS = ("differential-privacy", "dp-sgd")
-TEMPLATES = "templates"  # package data folder of dpbert.release
+NON_PRIVATE_TAG = "non-private"
+NON_PRIVATE_VOCABULARY_TAG = "non-private-vocabulary"
+# The templates: package `dpbert.model_cards` (the top-level model_cards/ folder, mapped in pyproject.toml).
+TEMPLATE_PACKAGE = "dpbert.model_cards"
 AUDIT_TEMPLATE = "audit_section.md.j2"
 AUDIT_BEGIN = "<!-- dpbert:audit -->"
 AUDIT_END = "<!-- /dpbert:audit -->"
@@ -74,7 +89,9 @@ class CardInfo:
 
 def front_matter(meta: ReleaseMetadata, info: CardInfo) -> dict[str, Any]:
     """The card's metadata as a dict (what `ModelCard.load(...).data.to_dict()` gives back)."""
-    tags = ["bert", info.pipeline_tag, "dpbert"] + (list(DP_TAGS) if meta.private else ["non-private"])
+    tags = ["bert", info.pipeline_tag, "dpbert"] + (list(DP_TAGS) if meta.fully_private else [NON_PRIVATE_TAG])
+    if not meta.vocabulary_private:
+        tags.append(NON_PRIVATE_VOCABULARY_TAG)
     data: dict[str, Any] = {
         "language": info.language,
         "license": info.license,
@@ -87,6 +104,7 @@ def front_matter(meta: ReleaseMetadata, info: CardInfo) -> dict[str, Any]:
     data["differential_privacy"] = {
         "private": meta.private,
         "guarantees": [g.summary() for g in meta.guarantees],
+        "vocabulary": meta.vocabulary_copy(),
     }
     results: list[Mapping[str, Any]] = []
     if info.mlm_accuracy is not None:
@@ -117,18 +135,129 @@ def _format_number(value: Any) -> str:
     return str(value)
 
 
+def _count(value: Any) -> str:
+    """A count for prose: 37000 -> '37,000'; a float to 3 significant digits."""
+    if isinstance(value, float):
+        return f"{value:.3g}"
+    return f"{value:,}" if isinstance(value, int) else str(value)
+
+
+_DATASET_SIZE_SOURCES = {
+    "declared": "declared in the recipe before the data was seen (`privacy.dataset_size`)",
+    "rounded": "the true count rounded down to 2 significant digits; training samples from that many sequences",
+    "exact": "the true count, treated as public",
+    "unrecorded": "source not recorded: it may be the exact count of the private data",
+}
+
+
+def dataset_size_text(g: Guarantee) -> str:
+    """'37,000 (public: the true count rounded down ...)' for a guarantee with a ledger."""
+    n = (g.ledger or {}).get("dataset_size")
+    return f"{_count(n)} (public: {_DATASET_SIZE_SOURCES.get(str(g.dataset_size_source), str(g.dataset_size_source))})"
+
+
+def unit_text(g: Guarantee) -> str:
+    """What one privacy unit is for this corpus: sequence length and sequences per document."""
+    unit = g.unit or {}
+    tokens = unit.get("sequence_tokens")
+    if not unit or tokens is None:
+        return str((g.ledger or {}).get("privacy_unit", PRIVACY_UNIT))
+    text = f"one sequence of {tokens} tokens"
+    most, mean = unit.get("max_sequences_per_document"), unit.get("mean_sequences_per_document")
+    if most is None or mean is None:
+        return (
+            f"{text}; how many sequences a document of this corpus contributes is unknown "
+            "(its token store predates these counts)"
+        )
+    return f"{text}; a document of this corpus contributes up to {_count(most)} sequences (mean {_count(float(mean))})"
+
+
+def randomness_text(g: Guarantee) -> str:
+    source = g.randomness_source
+    if source == OS_CSPRNG:
+        return (
+            "os-csprng: the DP noise and sampling come from a secret drawn from the operating system's CSPRNG, "
+            "kept in the run folder and never released (the recipe's public seed does not determine them)"
+        )
+    if source == SUPPLIED_FILE:
+        return (
+            "supplied-file: the secret behind the DP noise and sampling was supplied by a file (an audit); "
+            "whoever holds that file can regenerate the noise, and the guarantee holds only against others"
+        )
+    return "unknown: nothing records that the noise was secret; the guarantee cannot be relied on"
+
+
+def noise_text(g: Guarantee) -> str:
+    noise = g.noise or {}
+    if not noise:
+        return "not recorded"
+    bound = noise.get("tail_bound")
+    if bound is None:
+        return f"{noise.get('sampler')}; no bound on its deviation from the exact Gaussian is recorded"
+    below = g.delta is not None and bound <= 1e-3 * g.delta
+    return (
+        f"{noise.get('sampler')}; its finite tail can add at most {bound:.3g} to delta over the whole run "
+        f"({noise.get('coordinates')} coordinates per step): "
+        + ("below 1e-3 of delta, so not added" if below else "NOT below 1e-3 of delta (verify fails such a release)")
+    )
+
+
+def _checkout_templates() -> Path:
+    """model_cards/ of the source tree this dpbert was imported from (a checkout run without an
+    install, or an editable install made before the templates moved there)."""
+    return Path(__file__).resolve().parents[2] / "model_cards"
+
+
+def templates_dir() -> Path:
+    """The folder the card templates are loaded from: the installed package `dpbert.model_cards`
+    (inside the wheel, or model_cards/ itself for an editable install), else the checkout's
+    model_cards/. FileNotFoundError when neither holds them."""
+    import importlib.resources
+
+    try:
+        found = importlib.resources.files(TEMPLATE_PACKAGE)
+    except ModuleNotFoundError:
+        found = None
+    if found is not None and found.joinpath(DEFAULT_TEMPLATE).is_file():
+        return Path(str(found))
+    checkout = _checkout_templates()
+    if (checkout / DEFAULT_TEMPLATE).is_file():
+        return checkout
+    raise FileNotFoundError(
+        f"model card templates: neither the package {TEMPLATE_PACKAGE} nor {checkout} holds {DEFAULT_TEMPLATE} "
+        "(reinstall dpbert: pip install -e .)"
+    )
+
+
+def _template_loader() -> Any:
+    import jinja2
+
+    return jinja2.FileSystemLoader(str(templates_dir()))
+
+
+def _cell(value: Any) -> str:
+    """Text for a Markdown table cell: '|' escaped (a sampler's '|z| <= 16.36' would split the cell),
+    line breaks as spaces."""
+    return " ".join(str(value).splitlines()).replace("|", "\\|")
+
+
 def _environment() -> Any:
     import jinja2
 
     env = jinja2.Environment(
-        # Package data, found through importlib.resources: works from a wheel, not only a checkout.
-        loader=jinja2.PackageLoader("dpbert.release", TEMPLATES),
+        loader=_template_loader(),
         undefined=jinja2.StrictUndefined,
         keep_trailing_newline=True,
         autoescape=False,  # Markdown, not HTML
     )
     env.filters["num"] = _format_number
     env.filters["eps"] = lambda e: "infinity" if math.isinf(e) else f"{e:.4g}"
+    env.filters["count"] = _count
+    env.filters["dataset_size_text"] = dataset_size_text
+    env.filters["unit_text"] = unit_text
+    env.filters["randomness_text"] = randomness_text
+    env.filters["noise_text"] = noise_text
+    env.filters["cell"] = _cell
     return env
 
 
