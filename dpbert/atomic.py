@@ -18,11 +18,12 @@ def _umask() -> int:
     return mask
 
 
-def write_text(path: str | os.PathLike[str], text: str) -> None:
+def write_text(path: str | os.PathLike[str], text: str, *, private: bool = False) -> None:
     """Write `text` to a temporary sibling of `path`, then rename it over `path`.
 
-    The file gets the usual permissions (0666 less the umask), not mkstemp's private 0600, so
-    released folders are readable like any other download. On any error nothing is left behind.
+    The file gets the usual permissions (0666 less the umask), so released folders are readable
+    like any other download; with `private` it keeps mkstemp's 0600 (owner only) from its first
+    byte on. On any error nothing is left behind.
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -30,7 +31,8 @@ def write_text(path: str | os.PathLike[str], text: str) -> None:
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
-        os.chmod(tmp, 0o666 & ~_umask())
+        if not private:
+            os.chmod(tmp, 0o666 & ~_umask())
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

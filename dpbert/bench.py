@@ -22,7 +22,10 @@ within one run, and peak memory from XLA's compiled memory analysis of the DP st
 (parameters, optimizer state, outputs and temporaries; the input batch arrays themselves are
 excluded, since they grow with any batch by construction). Models: tiny = 2 layers x 128,
 mini = 4 x 256, base = 12 x 768; vocabulary 8192 for all three (base too, so that the
-comparison isolates the encoder; BERT-base's 30522 would only enlarge the shared decoder).
+comparison isolates the encoder; BERT-base's 30522 would only enlarge the shared decoder);
+large = 24 x 1024 x 16 heads with the vocabulary 30522 (BERT-Large, the paper's model).
+`compile_seconds` per row: the step's ahead-of-time lowering and XLA compilation, excluded
+from the rates (each row then runs the compiled step).
 """
 
 from __future__ import annotations
@@ -43,6 +46,23 @@ SEQ_LEN = 128
 PREDICTIONS = 20
 VOCAB = 8192
 MODELS = {"tiny": (2, 128, 2), "mini": (4, 256, 4), "base": (12, 768, 12)}  # layers, hidden, heads
+# BERT-Large, the paper's model, with its full 30,522-token vocabulary (tests/test_bench.py).
+MODELS["large"] = (24, 1024, 16)
+MODEL_VOCAB = {"large": 30522}
+# The shipped recipes' real shapes: recipes/tiny.yaml (and tiny_nonprivate.yaml) trains BERT tiny on
+# sequences of 64 tokens with its public 8,192-token vocabulary ("bert-base-uncased-8k") and decodes
+# `dpbert.train.pretrain.max_predictions(64, 0.15)` = 22 positions per example; "-30k" is the same
+# recipe with the full bert-base-uncased vocabulary (`--set data.tokenizer=bert-base-uncased`).
+# tests/test_bench.py checks these against the recipe files.
+RECIPE_PRESETS = {"tiny-recipe": ("tiny", 8192, 64, 22), "tiny-recipe-30k": ("tiny", 30522, 64, 22)}
+MODELS |= {name: MODELS[base] for name, (base, *_) in RECIPE_PRESETS.items()}
+
+
+def shapes(model: str) -> tuple[int, int, int]:
+    """(vocabulary, sequence length, decoded positions per example) of a model or recipe preset."""
+    if model in RECIPE_PRESETS:
+        return RECIPE_PRESETS[model][1:]
+    return MODEL_VOCAB.get(model, VOCAB), SEQ_LEN, PREDICTIONS
 
 
 def bert_config(model: str):
@@ -51,22 +71,24 @@ def bert_config(model: str):
     if model not in MODELS:
         raise ValueError(f"model: expected one of {sorted(MODELS)}, got {model!r}")
     layers, hidden, heads = MODELS[model]
+    vocab, seq_len, _ = shapes(model)
     return BertConfig(
-        vocab_size=VOCAB, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
-        intermediate_size=4 * hidden, max_position_embeddings=SEQ_LEN, hidden_dropout_prob=0.0,
+        vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+        intermediate_size=4 * hidden, max_position_embeddings=seq_len, hidden_dropout_prob=0.0,
         attention_probs_dropout_prob=0.0,
     )
 
 
-def _data(batch: int, seed: int = 0) -> dict[str, np.ndarray]:
+def _data(batch: int, seed: int = 0, model: str = "tiny") -> dict[str, np.ndarray]:
+    vocab, seq_len, predictions = shapes(model)
     rng = np.random.default_rng(seed)
     return {
-        "input_ids": rng.integers(5, VOCAB, (batch, SEQ_LEN)).astype(np.int32),
-        "attention_mask": np.ones((batch, SEQ_LEN), np.int32),
-        "masked_positions": np.sort(rng.choice(np.arange(1, SEQ_LEN - 1), PREDICTIONS, replace=False))[None]
+        "input_ids": rng.integers(5, vocab, (batch, seq_len)).astype(np.int32),
+        "attention_mask": np.ones((batch, seq_len), np.int32),
+        "masked_positions": np.sort(rng.choice(np.arange(1, seq_len - 1), predictions, replace=False))[None]
         .repeat(batch, 0).astype(np.int32),
-        "labels": rng.integers(5, VOCAB, (batch, PREDICTIONS)).astype(np.int32),
-        "label_weights": np.ones((batch, PREDICTIONS), np.float32),
+        "labels": rng.integers(5, vocab, (batch, predictions)).astype(np.int32),
+        "label_weights": np.ones((batch, predictions), np.float32),
     }
 
 
@@ -93,19 +115,22 @@ ROWS = NONPRIVATE_ROWS + DP_ROWS + PEER_ROWS
 # the per-step costs (noise, optimizer update) are amortized over them. base stays at 16 so
 # that Opacus's per-example gradients (16 x 92M floats) fit a 24 GiB machine: at 32 the
 # process reached 24.3 GB resident and was killed during the first Opacus step.
-DEFAULT_BATCH = {"tiny": 64, "mini": 64, "base": 16}
+DEFAULT_BATCH = {"tiny": 64, "mini": 64, "base": 16, "tiny-recipe": 256, "tiny-recipe-30k": 256}
+# large: Opacus's per-example gradients are 335M floats per example (1.3 GB): 4 fit a 24 GiB machine.
+DEFAULT_BATCH["large"] = 4
 DEFAULT_MICROBATCH = 4
 # Timed steps per row: the best of 3 moved tiny's DP / non-private ratio between 0.85 and 1.01
 # from run to run on a shared 2-core machine; the best of 10 steps (under 1 s each) is steadier.
 # base steps take seconds each, and its rows are long enough to ride out short interruptions.
-DEFAULT_STEPS = {"tiny": 10, "mini": 10, "base": 3}
+DEFAULT_STEPS = {"tiny": 10, "mini": 10, "base": 3, "tiny-recipe": 5, "tiny-recipe-30k": 5}
+DEFAULT_STEPS["large"] = 2
 
 
 def _jax_runs(model: str, batch: int, microbatch: int | str, dtype: Any, layer_mode: str, remat: bool,
-              vmap: bool) -> tuple[dict[str, Callable[[], Any]], dict[str, str], dict[str, int], Any]:
+              vmap: bool) -> tuple[dict[str, Callable[[], Any]], dict[str, str], dict[str, int], Any, dict[str, float]]:
     """One step callable per dpbert row (and the noise draw alone), the reason of each row that
-    does not run, each row's micro-batch size, and (loss, optimizer, params) for the memory
-    analysis."""
+    does not run, each row's micro-batch size, (loss, optimizer, params) for the memory
+    analysis, and each row's compile seconds (ahead-of-time lowering + XLA compilation)."""
     from flax import nnx
 
     from dpbert.model import functional
@@ -120,13 +145,13 @@ def _jax_runs(model: str, batch: int, microbatch: int | str, dtype: Any, layer_m
     graphdef, params = functional.split_params(net)
     loss = MLMGhostLoss(graphdef=graphdef, layer_mode=layer_mode)
     optimizer = optax.sgd(1e-4)
-    data = {k: jnp.asarray(v) for k, v in _data(batch).items()}
+    data = {k: jnp.asarray(v) for k, v in _data(batch, model=model).items()}
     padding = jnp.zeros((batch,), jnp.bool_)
     methods = ("vmap", "ghost") if vmap else ("ghost",)
     sums = {NONPRIVATE_ROWS[1]: lambda *a, **kw: grad_sum(loss, *a, **kw)}
     sums |= {f"dpbert DP ({m})": (lambda *a, impl=clipped_sum_for(m, loss), **kw: impl(loss, *a, clip_norm=1.0, **kw))
              for m in methods}
-    sizes = {name: microbatch if isinstance(microbatch, int) else _fastest_microbatch(fn, params, batch)
+    sizes = {name: microbatch if isinstance(microbatch, int) else _fastest_microbatch(fn, params, batch, model)
              for name, fn in sums.items()}
     # The best non-private step of dpbert: the plain gradient of the mean loss, in one batched
     # pass, and accumulated over micro-batches (often faster on CPU caches).
@@ -141,28 +166,42 @@ def _jax_runs(model: str, batch: int, microbatch: int | str, dtype: Any, layer_m
             microbatch_size=sizes[name], donate=False, clipping_method=method,
         )
     state = (params, optimizer.init(params))
-    runs = {name: (lambda step=step: step(*state, data, padding, jax.random.key(0))) for name, step in steps_fns.items()}
-    # The Gaussian noise of one step on its own: a fixed cost per step (one normal per parameter),
-    # whatever the batch, so DP-SGD's large batches amortize it.
-    noise = jax.jit(lambda p: privatize(p, noise_key(step_key(jax.random.key(1), 0)), clip_norm=1.0,
-                                        noise_multiplier=1.0, expected_batch_size=batch))
-    runs[NOISE_ROW] = lambda: noise(params)
+    key0 = jax.random.key(0)
+    # Compiled ahead of time, and timed: each row's compile seconds; its runs call the compiled step.
+    compiled = {name: _aot(step, *state, data, padding, key0) for name, step in steps_fns.items()}
+    runs = {name: (lambda c=c: c(*state, data, padding, key0)) for name, (c, _) in compiled.items()}
+    compile_seconds = {name: sec for name, (_, sec) in compiled.items()}
+    # The Gaussian noise of one step on its own: a fixed cost per step (one draw of a normal per
+    # parameter, added to the sum), whatever the batch, so DP-SGD's large batches amortize it. The
+    # key is an argument, as in the DP step, so that XLA cannot fold any of the draw into constants.
+    noise = jax.jit(lambda p, key: privatize(p, noise_key(key), clip_norm=1.0, noise_multiplier=1.0,
+                                             expected_batch_size=batch))
+    noise_step_key = step_key(jax.random.key(1), 0)
+    runs[NOISE_ROW] = lambda: noise(params, noise_step_key)
+    compile_seconds[NOISE_ROW] = _aot(noise, params, noise_step_key)[1]
     notes = {} if vmap else {"dpbert DP (vmap)": "skipped: --no-vmap"}
-    return runs, notes, sizes, (loss, optimizer, params)
+    return runs, notes, sizes, (loss, optimizer, params), compile_seconds
 
 
-def _fastest_microbatch(sum_fn: Callable[..., Any], params: Any, batch: int) -> int:
+def _aot(fn: Any, *args: Any) -> tuple[Any, float]:
+    """(`fn` lowered and compiled for `args`, the seconds that took): a row's compile time."""
+    started = time.perf_counter()
+    compiled = fn.lower(*args).compile()
+    return compiled, time.perf_counter() - started
+
+
+def _fastest_microbatch(sum_fn: Callable[..., Any], params: Any, batch: int, model: str = "tiny") -> int:
     """The fastest micro-batch size of `sum_fn` among the powers of two up to 32 that divide
     `batch` and are smaller than it (the whole batch is the one-pass row), on placeholders."""
     from dpbert.privacy.tuning import fastest_microbatch_size
 
     candidates = [m for m in (1, 2, 4, 8, 16, 32) if m < batch and batch % m == 0] or [batch]
-    example = {k: jax.ShapeDtypeStruct(v.shape[1:], v.dtype) for k, v in _data(1).items()}
+    example = {k: jax.ShapeDtypeStruct(v.shape[1:], v.dtype) for k, v in _data(1, model=model).items()}
     return fastest_microbatch_size(sum_fn, params, example, candidates=candidates)[0]
 
 
 def dp_step_peak_bytes(loss: Any, optimizer: Any, params: Any, *, expected_batch: int, microbatch: int,
-                       clipping_method: str) -> int:
+                       clipping_method: str, model: str = "tiny") -> int:
     """Compiled peak bytes of a DP step on `expected_batch` examples, minus the batch inputs."""
     from dpbert.privacy.dp_step import make_dp_train_step
     from dpbert.privacy.tuning import peak_bytes
@@ -172,7 +211,7 @@ def dp_step_peak_bytes(loss: Any, optimizer: Any, params: Any, *, expected_batch
         microbatch_size=microbatch, donate=True, clipping_method=clipping_method,
     )
     shape = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)  # noqa: E731
-    data = {k: jax.ShapeDtypeStruct((expected_batch,) + v.shape[1:], v.dtype) for k, v in _data(1).items()}
+    data = {k: jax.ShapeDtypeStruct((expected_batch,) + v.shape[1:], v.dtype) for k, v in _data(1, model=model).items()}
     args = (
         jax.tree_util.tree_map(shape, params), jax.tree_util.tree_map(shape, optimizer.init(params)),
         data, jax.ShapeDtypeStruct((expected_batch,), jnp.bool_), jax.random.key(0),
@@ -193,12 +232,13 @@ def _torch_runs(model: str, batch: int) -> tuple[dict[str, Callable[[], Any]], d
     threads = os.cpu_count() or 1  # XLA's CPU backend uses every core
     torch.set_num_threads(threads)
     torch.manual_seed(0)
-    np_data = _data(batch)
+    np_data = _data(batch, model=model)
+    seq_len = shapes(model)[1]
     ids = torch.from_numpy(np_data["input_ids"]).long()
     mask = torch.from_numpy(np_data["attention_mask"]).long()
     labels = torch.full_like(ids, -100)
     # Explicit per-example position and token-type ids: Opacus needs a batch axis on every input.
-    extra = {"position_ids": torch.arange(SEQ_LEN).expand(batch, SEQ_LEN).contiguous(),
+    extra = {"position_ids": torch.arange(seq_len).expand(batch, seq_len).contiguous(),
              "token_type_ids": torch.zeros_like(ids)}
     pos = torch.from_numpy(np_data["masked_positions"]).long()
     labels.scatter_(1, pos, torch.from_numpy(np_data["labels"]).long())
@@ -284,8 +324,8 @@ def run_bench(*, model: str = "tiny", batch: int | None = None, microbatch: int 
     if steps < 1:
         raise ValueError(f"steps: expected >= 1, got {steps}")
     dtype = jnp.bfloat16 if bfloat16 else jnp.float32
-    runs, notes, sizes, (loss, optimizer, params) = _jax_runs(model, batch, microbatch, dtype, layer_mode, remat,
-                                                              vmap)
+    runs, notes, sizes, (loss, optimizer, params), compile_s = _jax_runs(model, batch, microbatch, dtype, layer_mode,
+                                                                         remat, vmap)
     threads = None
     if peers:
         torch_runs, torch_notes, threads = _torch_runs(model, batch)
@@ -308,16 +348,19 @@ def run_bench(*, model: str = "tiny", batch: int | None = None, microbatch: int 
         method = best_dp_name.split("(")[1].rstrip(")")
         for n in (1024, 65536):
             peak[n] = dp_step_peak_bytes(loss, optimizer, params, expected_batch=n, microbatch=sizes[best_dp_name],
-                                         clipping_method=method)
+                                         clipping_method=method, model=model)
         memory_ratio = peak[65536] / peak[1024]
     dev = jax.devices()[0]
     return {
-        "model": model, "layers_hidden_heads": MODELS[model], "vocab_size": VOCAB, "seq_len": SEQ_LEN,
+        "model": model, "layers_hidden_heads": MODELS[model], "vocab_size": shapes(model)[0],
+        "seq_len": shapes(model)[1],
         "batch": batch, "microbatch": microbatch, "microbatch_by_row": sizes, "dtype": "bfloat16" if bfloat16 else "float32",
         "layer_mode": layer_mode, "remat": remat,
         "backend": jax.default_backend(), "device": f"{dev.platform}:{dev.device_kind}",
         "xla_cpu_threads": os.cpu_count(), "torch_threads": threads,
         "examples_per_s": rows, "best_dp": best_dp_name, "best_nonprivate": best_np_name,
+        # XLA compile seconds per row (None: eager PyTorch / Opacus rows, and rows that did not run).
+        "compile_seconds": {name: compile_s.get(name) for name in [*rows, NOISE_ROW]},
         "peak_bytes": {str(k): v for k, v in peak.items()},
         "noise_ms_per_step": noise_s * 1e3, "noise_fraction_of_dp_step": noise_s * best_dp / batch,
         "dp_over_nonprivate": best_dp / nonprivate,
@@ -335,19 +378,23 @@ def format_table(result: dict[str, Any]) -> str:
         f"remat {result['remat']}",
         f"JAX backend {result['backend']}, device {result['device']}, XLA CPU threads {result['xla_cpu_threads']}, "
         f"torch threads {result['torch_threads']}",
-        f"{'step':<36}{'examples/s':>12}",
+        f"{'step':<36}{'examples/s':>12}{'compile s':>11}",
     ]
+    compile_s = result.get("compile_seconds", {})
     for name, value in result["examples_per_s"].items():
         if not isinstance(value, float):
             lines.append(f"{name:<36}  {value}")
             continue
         size = result["microbatch_by_row"].get(name) if result["microbatch"] == "auto" else None
-        lines.append(f"{name:<36}{value:>12.1f}" + (f"   (fastest micro-batch: {size})" if size else ""))
+        sec = compile_s.get(name)
+        lines.append(f"{name:<36}{value:>12.1f}{'' if sec is None else f'{sec:>11.1f}'}"
+                     + (f"   (fastest micro-batch: {size})" if size else ""))
     fmt = lambda v: "n/a" if v is None else f"{v:.3f}"  # noqa: E731
     lines += [
         f"best DP path: {result['best_dp']}; best non-private: {result['best_nonprivate']}",
         f"noise draw: {result['noise_ms_per_step']:.1f} ms per step, {100 * result['noise_fraction_of_dp_step']:.1f}% "
-        "of the best DP step (fixed per step: amortized by larger batches)",
+        "of the best DP step (fixed per step: amortized by larger batches)"
+        + ("" if compile_s.get(NOISE_ROW) is None else f"; compiles in {compile_s[NOISE_ROW]:.1f} s"),
         f"best DP / best non-private:     {fmt(result['dp_over_nonprivate'])}   (target >= 0.95)",
         f"dpbert DP / best Opacus DP:     {fmt(result['over_opacus'])}   (target >= 2.5)",
         f"dpbert / torch non-private:     {fmt(result['nonprivate_over_torch'])}   (target >= 1.0)",

@@ -12,6 +12,13 @@ from collections.abc import Callable, Sequence
 
 import dpbert
 
+def _add_noise_seed_file(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--noise-seed-file", metavar="FILE", help="DP runs: take the secret of the sampling and noise from "
+                   "FILE (at least 32 hex digits) instead of a fresh OS CSPRNG draw, so that an auditor holding FILE "
+                   "can reproduce the run; the release says so. Whoever holds FILE can remove the noise: keep it "
+                   "secret")
+
+
 def _add_pretrain(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "pretrain",
@@ -24,6 +31,7 @@ def _add_pretrain(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a recipe field (repeatable)")
     p.add_argument("--resume", action="store_true", help="continue from the run folder's latest checkpoint")
     p.add_argument("--fill-mask", action="store_true", help="print fill-mask predictions for the recipe's sentences")
+    _add_noise_seed_file(p)
     p.add_argument("--distributed", action="store_true", help="multi-host: start jax.distributed from the cluster's "
                    "environment (Cloud TPU pods, SLURM, Open MPI); run the same command on every host")
     p.add_argument("--coordinator-address", metavar="HOST:PORT", help="multi-host, explicit: process 0's address "
@@ -85,6 +93,7 @@ def _add_finetune(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--delta", type=float, help="delta for the task data (with --dp; default 1/n^1.1)")
     p.add_argument("--recipe", help="YAML fine-tuning recipe (e.g. recipes/glue_finetune.yaml)")
     p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a recipe field")
+    _add_noise_seed_file(p)
 
     def run(args: argparse.Namespace) -> int:
         from dpbert.train.finetune import main
@@ -165,6 +174,9 @@ def _add_export(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--repo-id", default=None, help="Hub id ORG/NAME shown in the card's usage examples")
     p.add_argument("--non-private", action="store_true", help="release a run without a ledger as NOT private")
     p.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
+    p.add_argument("--include-diagnostics", action="store_true", help="publish the training diagnostics (loss, "
+                   "clipped fraction, realized batch sizes: computed on private data, NOT covered by the guarantee), "
+                   "labelled as such; by default only their names are listed")
 
     def run(args: argparse.Namespace) -> None:
         from dpbert.release import export_run, verify_folder
@@ -177,6 +189,7 @@ def _add_export(sub: argparse._SubParsersAction) -> None:
             repo_id=args.repo_id,
             non_private=args.non_private,
             overwrite=args.overwrite,
+            include_diagnostics=args.include_diagnostics,
         )
         print(verify_folder(out).summary())
 
@@ -270,6 +283,61 @@ def _add_account(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
+def _add_plan(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "plan",
+        help="batch sizes at a fixed privacy budget: calibrated sigma, sigma/B, steps, epochs; a recommendation",
+        description="For each candidate expected batch size B, calibrate one DP-SGD stage (Poisson sampling, N "
+        "examples) to the target epsilon at delta with the same calibration a training run uses, and print sigma, "
+        "sigma/B (noise on the averaged gradient), sigma/sqrt(B) (noise-to-signal at a fixed example budget), steps "
+        "and epochs; recommend a batch size. Give --examples (a budget of examples processed) or --steps.",
+    )
+    p.add_argument("--dataset-size", type=int, required=True, metavar="N", help="public number of training sequences")
+    p.add_argument("--target-epsilon", type=float, required=True, metavar="E", help="epsilon every candidate spends")
+    p.add_argument("--delta", type=float, required=True, metavar="D", help="delta")
+    budget = p.add_mutually_exclusive_group(required=True)
+    budget.add_argument("--examples", type=int, metavar="X", help="examples processed (steps = X / B)")
+    budget.add_argument("--steps", type=int, metavar="T", help="steps (examples = T x B)")
+    p.add_argument("--batch-sizes", metavar="B[,B...]", help="candidates (default: powers of two 64 ... 16384)")
+    p.add_argument("--accountant", choices=["pld", "rdp"], default="rdp", help="privacy accountant (default rdp, "
+                   "as the tiny recipes)")
+    p.add_argument("--min-steps", type=int, default=None, help="fewest steps a recommended batch may leave "
+                   "(default: dpbert.privacy.planner.DEFAULT_MIN_STEPS)")
+    p.add_argument("--min-gain", type=float, default=None, help="smallest cut of sigma/sqrt(B) per doubling of B "
+                   "worth halving the steps (default: dpbert.privacy.planner.DEFAULT_MIN_GAIN)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+
+    def run(args: argparse.Namespace) -> int:
+        from dpbert.privacy import planner
+
+        if args.min_steps is None:
+            args.min_steps = planner.DEFAULT_MIN_STEPS
+        if args.min_gain is None:
+            args.min_gain = planner.DEFAULT_MIN_GAIN
+        return planner.plan_main(args)
+
+    p.set_defaults(func=run)
+
+
+def _add_sweep(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "sweep",
+        help="train arms of a recipe that differ only in batch size (same epsilon, same examples); table and plot",
+        description="Read a sweep file (e.g. recipes/sweep_tiny.yaml), train each arm (fixed batch sizes, the paper's "
+        "increasing schedule, a non-private arm) and write DIR/sweep.json, DIR/sweep.png and a table.",
+    )
+    p.add_argument("sweep", metavar="SWEEP", help="sweep YAML file (see recipes/sweep_tiny.yaml)")
+    p.add_argument("--output-dir", required=True, metavar="DIR", help="sweep folder (arms/, store/, sweep.json, sweep.png)")
+    p.add_argument("--progress", action="store_true", help="show each arm's progress bar")
+
+    def run(args: argparse.Namespace) -> int:
+        from dpbert.train.sweep import sweep_main
+
+        return sweep_main(args)
+
+    p.set_defaults(func=run)
+
+
 def _add_audit(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "audit",
@@ -287,6 +355,7 @@ def _add_audit(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--confidence", type=float, default=0.95, help="confidence of the lower bound (default 0.95)")
     p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a recipe field (repeatable)")
     p.add_argument("--json", action="store_true", help="print audit.json's object instead of a table")
+    _add_noise_seed_file(p)
     p.add_argument("--card", metavar="RELEASE_DIR",
                    help="also add the result to this release's privacy.json and model card (an audited figure: "
                    "an empirical lower bound, not a guarantee)")
@@ -315,10 +384,12 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
         description="One table (or --json object) of examples/s, ratios and peak memory, with the JAX backend "
         "and device. PyTorch/Opacus rows are skipped with a message when not installed (extra: bench).",
     )
-    p.add_argument("--model", choices=["tiny", "mini", "base"], default="tiny",
-                   help="tiny 2x128, mini 4x256, base 12x768; vocab 8192, seq len 128 (default: tiny)")
+    p.add_argument("--model", choices=["tiny", "mini", "base", "tiny-recipe", "tiny-recipe-30k"], default="tiny",
+                   help="tiny 2x128, mini 4x256, base 12x768 (vocab 8192, seq len 128); tiny-recipe: the shapes "
+                   "recipes/tiny.yaml trains (2x128, its public 8192-token vocabulary, seq len 64, 22 decoded "
+                   "positions), tiny-recipe-30k: the same with bert-base-uncased's 30522 tokens (default: tiny)")
     p.add_argument("--batch", type=int, default=None,
-                   help="examples per step (default: 64 for tiny and mini, 16 for base)")
+                   help="examples per step (default: 64 for tiny and mini, 16 for base, 256 for the recipe presets)")
     p.add_argument("--microbatch", type=_int_or_auto, default=4,
                    help="micro-batch size of the DP and micro-batched non-private rows, or 'auto': each row's "
                    "fastest, timed on placeholder inputs (default: 4)")
@@ -342,7 +413,7 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
 
 def _commands() -> list[Callable[..., None]]:
     """Subcommands in the order `dpbert --help` lists them (only ones that work)."""
-    return [_add_pretrain, _add_plot, _add_prepare, _add_account, _add_export, _add_push, _add_pull, _add_verify, _add_audit, _add_finetune, _add_demo, _add_bench]
+    return [_add_pretrain, _add_plot, _add_sweep, _add_prepare, _add_account, _add_plan, _add_export, _add_push, _add_pull, _add_verify, _add_audit, _add_finetune, _add_demo, _add_bench]
 
 
 def build_parser() -> argparse.ArgumentParser:

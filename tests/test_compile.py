@@ -50,3 +50,30 @@ def test_the_recipes_clipping_method_is_what_compiles(reports):
     ghost, vmap = reports["ghost"][1], reports["vmap"][1]
     assert ghost.flops_per_example != pytest.approx(vmap.flops_per_example, rel=1e-3)
     assert ghost.num_params == vmap.num_params and ghost.physical_batch_size == vmap.physical_batch_size
+
+
+def test_flops_count_every_encoder_layer(reports):
+    # The encoder's layers run under one scan, whose body XLA's cost analysis counts once: the
+    # count must still grow with depth (one more layer: one more layer's forward, backward and
+    # clipping per example), as it did when the layers were unrolled.
+    recipe, two = reports["ghost"]
+    one = compile_step(load_recipe_dict(RECIPE, ["train.clipping=ghost", "model.num_hidden_layers=1"]), make_mesh())
+    h, i, seq = 32, 64, 16
+    layer_forward = 2 * seq * (4 * h * h + 2 * h * i) + 4 * seq * seq * h
+    assert 2.0 < (two.flops_per_example - one.flops_per_example) / layer_forward < 6.0
+    assert two.update_flops_per_device > one.update_flops_per_device
+
+
+def test_bench_reports_compile_seconds_for_every_row():
+    from dpbert.bench import NOISE_ROW, bert_config, format_table, run_bench
+
+    result = run_bench(model="tiny", batch=4, microbatch=2, steps=1, peers=False, memory=False, vmap=False,
+                       layer_mode="ghost")
+    seconds = result["compile_seconds"]
+    assert set(seconds) == set(result["examples_per_s"]) | {NOISE_ROW}
+    for name, value in result["examples_per_s"].items():
+        assert (seconds[name] > 0) if isinstance(value, float) else seconds[name] is None
+    assert seconds[NOISE_ROW] > 0 and "compile s" in format_table(result)
+    large = bert_config("large")
+    assert (large.num_hidden_layers, large.hidden_size, large.num_attention_heads, large.vocab_size) == (
+        24, 1024, 16, 30522)

@@ -85,7 +85,7 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     wordpiece.train_from_iterator(CORPUS, vocab_size=200, min_frequency=1)
     tokenizer_dir = root / "tokenizer"
     BertTokenizerFast(tokenizer_object=wordpiece._tokenizer).save_pretrained(str(tokenizer_dir))
-    dp = Guarantee.from_ledger(scope="pretraining", data="test corpus", ledger=_ledger())
+    dp = Guarantee.from_ledger(scope="pretraining", data="test corpus", ledger=_ledger(), randomness={"source": "os-csprng"})
     nonprivate = Guarantee.non_private(scope="pretraining", data="test corpus")
     return {
         "tokenizer": tokenizer_dir,

@@ -330,7 +330,8 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
         dataset_size=p["dataset_size"], delta=1e-6, clip_norm=1.0, accountant="rdp",
     )  # fmt: skip
     meta = ReleaseMetadata(
-        guarantees=(Guarantee.from_ledger(scope="pretraining", data="synthetic corpus", ledger=ledger.to_dict()),),
+        guarantees=(Guarantee.from_ledger(scope="pretraining", data="synthetic corpus", ledger=ledger.to_dict(),
+                                          randomness={"source": "os-csprng"}),),
         vocabulary_origin="public word list", vocabulary_covered=True,
     )  # fmt: skip
     info = CardInfo(model_name="tiny-dp", architecture="tiny BERT", reproduce_command="dpbert pretrain tiny.yaml")
@@ -452,7 +453,7 @@ def test_dp_release_states_both_guarantees_each_for_its_own_data(dp_run: tuple[P
     assert pretraining["epsilon"] == source["epsilon"] and pretraining["ledger"]["dataset_size"] == _PRETRAINING["dataset_size"]
     assert (task["scope"], task["data"]) == ("fine-tuning (sst2)", "GLUE SST-2 training set (800 examples)")
     assert task["ledger"] == task_ledger and task["epsilon"] == pytest.approx(result["privacy"]["epsilon"], rel=1e-9)
-    assert privacy["vocabulary"] == {"origin": "public word list", "covered": True}  # inherited from the source
+    assert privacy["vocabulary"] == {"origin": "public word list", "covered": True, "learned_from_private_data": None}  # inherited from the source
 
     check = verify_folder(model_dir)  # each epsilon recomputed from its own ledger
     assert check.ok and check.status == "private", check.summary()

@@ -65,7 +65,10 @@ def workspace(tmp_path_factory):
         lines = [rng.choice(PHRASES).format(w=rng.choice(SLOTS)) for _ in range(8)]
         (corpus / f"doc{d:03d}.txt").write_text(" ".join(lines))
     cache = root / "jax_cache"
-    return {"root": root, "corpus": corpus, "store": root / "store", "cache": cache}
+    # An auditor's secret: the runs that must replay each other share it (fresh secrets differ).
+    seed_file = root / "noise_seed.hex"
+    seed_file.write_text("5eed" * 16 + "\n")
+    return {"root": root, "corpus": corpus, "store": root / "store", "cache": cache, "seed_file": seed_file}
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -104,7 +107,8 @@ def final_params(run_dir: Path) -> dict[str, np.ndarray]:
 def run_cli(workspace, *args: str) -> subprocess.Popen:
     env = {**os.environ, "JAX_COMPILATION_CACHE_DIR": str(workspace["cache"]),
            "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0", "JAX_PLATFORMS": "cpu"}
-    return subprocess.Popen([sys.executable, "-m", "dpbert.cli", "pretrain", *args], env=env,
+    return subprocess.Popen([sys.executable, "-m", "dpbert.cli", "pretrain", *args,
+                             "--noise-seed-file", str(workspace["seed_file"])], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
@@ -121,10 +125,11 @@ def wait_for(predicate, proc: subprocess.Popen, timeout: float = 240.0) -> None:
 
 @pytest.fixture(scope="module")
 def reference_run(workspace):
-    """An uninterrupted private run (in this process)."""
+    """An uninterrupted private run (in this process), with the auditor's secret."""
     recipe = write_recipe(workspace, workspace["root"] / "ref.yaml")
     run_dir = workspace["root"] / "ref"
-    result = pretrain(recipe, run_dir, show_fill_mask=True, progress=False, log=lambda s: None)
+    result = pretrain(recipe, run_dir, show_fill_mask=True, progress=False, log=lambda s: None,
+                      noise_seed_file=workspace["seed_file"])
     return recipe, run_dir, result
 
 
@@ -251,6 +256,7 @@ def test_corrupted_or_foreign_checkpoint_is_named(workspace, reference_run, tmp_
     (foreign / "checkpoints" / "7" / "meta").mkdir(parents=True)
     (foreign / "checkpoints" / "7" / "meta" / "metadata").write_text('{"hello": "world"}')
     (foreign / "checkpoints" / "7" / "_CHECKPOINT_METADATA").write_text("{}")
+    shutil.copy2(ref_dir / "checkpoints" / "noise_secret", foreign / "checkpoints" / "noise_secret")
     with pytest.raises(ValueError, match=r"checkpoint .*foreign.checkpoints.7"):
         pretrain(recipe, foreign, resume=True, progress=False, log=lambda s: None)
 
@@ -277,3 +283,69 @@ def test_nonprivate_run_beats_the_unigram_baseline(workspace):
     eval_tokens = [int(t) for t in held[np.arange(len(held))].ravel() if int(t) not in specials]
     baseline = sum(t == top for t in eval_tokens) / len(eval_tokens)
     assert result.eval_mlm_accuracy > baseline + 0.05, (result.eval_mlm_accuracy, baseline)
+
+
+def _files_under(folder: Path) -> list[Path]:
+    return [f for f in folder.rglob("*") if f.is_file()]
+
+
+def test_private_runs_draw_a_secret_that_never_leaves_the_checkpoint_folder(workspace, reference_run, capsys):
+    """Two runs of one recipe with the published seed release different weights; the secret is
+    0600 in checkpoints/ and nowhere else (release, hf, metrics, recipe, printed output)."""
+    recipe, ref_dir, _ = reference_run
+    lines: list[str] = []
+    dirs = [workspace["root"] / f"secret{i}" for i in range(2)]
+    for run_dir in dirs:
+        pretrain(recipe, run_dir, overrides=["train.eval_every=0"], progress=False, log=lines.append)
+    secrets = []
+    for run_dir in dirs:
+        path = run_dir / "checkpoints" / "noise_secret"
+        assert path.stat().st_mode & 0o777 == 0o600
+        record = json.loads(path.read_text())
+        assert record["source"] == "os-csprng" and len(bytes.fromhex(record["secret"])) == 32
+        assert json.loads((run_dir / "randomness.json").read_text()) == {"source": "os-csprng"}
+        secrets.append(record["secret"])
+        outside = [f for f in _files_under(run_dir) if "checkpoints" not in f.relative_to(run_dir).parts]
+        assert any(f.parent.name == "release" for f in outside)
+        for f in outside:
+            assert record["secret"].encode() not in f.read_bytes(), f
+    assert secrets[0] != secrets[1]
+    printed = "\n".join(lines) + capsys.readouterr().out
+    assert not any(s in printed for s in secrets)
+    a, b = final_params(dirs[0]), final_params(dirs[1])
+    differing = [name for name in a if not np.array_equal(a[name], b[name])]
+    assert len(differing) == len(a), sorted(set(a) - set(differing))  # every tensor got other noise
+    # Every folder holding weights of a DP run carries its ledger.
+    assert json.loads((dirs[0] / "hf" / "privacy.json").read_text()) == json.loads((dirs[0] / "privacy.json").read_text())
+    # The auditor's secret reproduces: same file, same recipe -> the reference run's weights.
+    assert json.loads((ref_dir / "randomness.json").read_text()) == {"source": "supplied-file"}
+
+
+def test_resume_needs_its_secret_and_its_corpus(workspace, reference_run, tmp_path):
+    import shutil
+
+    recipe, ref_dir, _ = reference_run
+    run_dir = tmp_path / "lost_secret"
+    shutil.copytree(ref_dir, run_dir)
+    (run_dir / "checkpoints" / "noise_secret").unlink()
+    with pytest.raises(ValueError, match=r"noise_secret: missing; the checkpoints of this private run cannot be resumed"):
+        pretrain(recipe, run_dir, resume=True, progress=False, log=lambda s: None)
+    with pytest.raises(ValueError, match=r"--noise-seed-file .*: differs from the secret this run started with"):
+        other = tmp_path / "other.hex"
+        other.write_text("ab" * 32)
+        pretrain(recipe, ref_dir, resume=True, progress=False, log=lambda s: None, noise_seed_file=other)
+    with pytest.raises(ValueError, match=r"--noise-seed-file .*: expected hexadecimal digits"):
+        bad = tmp_path / "bad.hex"
+        bad.write_text("not hex")
+        pretrain(recipe, tmp_path / "bad_seed", progress=False, log=lambda s: None, noise_seed_file=bad)
+    # Resuming on another corpus (same tokenizer, same shapes) is refused by the corpus hash.
+    corpus = tmp_path / "corpus2"
+    corpus.mkdir()
+    for d in range(80):
+        (corpus / f"doc{d:03d}.txt").write_text(" ".join([PHRASES[d % 6].format(w=SLOTS[(d + i) % 6]) for i in range(8)]))
+    moved = tmp_path / "moved"
+    shutil.copytree(ref_dir, moved)
+    with pytest.raises(ValueError, match="was written with a different data"):
+        pretrain(recipe, moved, resume=True, progress=False, log=lambda s: None,
+                 overrides=[f"data.corpus={corpus}", f"data.store={tmp_path / 'store2'}",
+                            f"data.tokenizer={ref_dir / 'hf'}"])

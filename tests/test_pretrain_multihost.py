@@ -17,7 +17,7 @@ import jax
 import numpy as np
 import pytest
 from safetensors.numpy import load_file
-from tiny_run import write_recipe
+from tiny_run import seed_file, write_recipe
 
 from dpbert.train.metrics import read_metrics
 from dpbert.train.pretrain import pretrain
@@ -41,7 +41,7 @@ def runs(tmp_path_factory):
         subprocess.Popen(
             [sys.executable, "-m", "dpbert.cli", "pretrain", str(recipe), "--output-dir", str(root / "multi"),
              "--set", "mesh.data=1", "--set", "mesh.fsdp=4", "--coordinator-address", f"127.0.0.1:{port}",
-             "--num-processes", "2", "--process-id", str(i)],
+             "--num-processes", "2", "--process-id", str(i), "--noise-seed-file", str(seed_file(root))],
             env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         )
         for i in range(2)
@@ -49,7 +49,7 @@ def runs(tmp_path_factory):
     outs = [p.communicate(timeout=600)[0] for p in procs]
     assert all(p.returncode == 0 for p in procs), "\n---\n".join(o[-3000:] for o in outs)
     assert jax.device_count() == 1
-    single = pretrain(recipe, root / "single", progress=False, log=lambda s: None)
+    single = pretrain(recipe, root / "single", progress=False, log=lambda s: None, noise_seed_file=seed_file(root))
     return root, outs, single
 
 

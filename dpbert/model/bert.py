@@ -1,9 +1,10 @@
 """Flax NNX BERT built from a transformers ``BertConfig`` (tiny through BERT-Large).
 
 The modules mirror the Hugging Face PyTorch BERT: attribute paths are the Hugging Face
-parameter names (``bert.encoder.layer[3].attention.self.query``, ``cls.predictions.bias``,
-``classifier``), so ``dpbert.model.hf_io`` maps weights with a handful of leaf renames
-(``kernel``/``embedding``/``scale`` <-> ``weight``; Linear kernels are transposed).
+parameter names (``bert.encoder.layer.attention.self.query``, ``cls.predictions.bias``,
+``classifier``; encoder layers stacked, see below), so ``dpbert.model.hf_io`` maps weights with
+a handful of leaf renames (``kernel``/``embedding``/``scale`` <-> ``weight``; Linear kernels are
+transposed) and the layer index.
 
 Guarantees:
 - In inference mode (``dropout_rng=None``) the float32 outputs equal transformers' eval-mode
@@ -14,10 +15,18 @@ Guarantees:
 - ``dtype`` is the compute dtype; parameters are always stored in float32. Softmax and
   LayerNorm statistics run in float32 whatever the compute dtype; outputs (hidden states,
   logits) come back in the compute dtype.
-- ``remat=True`` (``BertModel``, ``BertForMaskedLM``) wraps each encoder layer in
+- Scanned layers: the encoder holds ONE ``BertLayer`` whose parameters are stacked along a
+  leading layer axis (``bert.encoder.layer.attention.self.query.kernel`` is [L, H, H]) and
+  runs it under ``jax.lax.scan`` (``scan_layers``), as MaxText's ``scan_layers`` does: the layer
+  body is traced and compiled once, so compile time does not grow with depth. The stacked
+  parameters hold exactly the values the per-layer modules were initialised with (same
+  ``rngs`` draws, layer by layer), ``dpbert.model.hf_io`` maps them to and from the per-layer
+  Hugging Face names (``bert.encoder.layer.3.attention.self.query.weight``), and
+  ``unstack_layers`` / ``stack_layers`` convert a params tree between the two layouts.
+- ``remat=True`` (``BertModel``, ``BertForMaskedLM``) wraps the scanned layer body in
   ``jax.checkpoint``: identical outputs and gradients, activation memory traded for a second
   forward pass of each layer in the backward pass. The ghost-clipping forward
-  (``dpbert.privacy.ghost_clipping``) inlines the layers and ignores it.
+  (``dpbert.privacy.ghost_clipping``) scans the same layer body with taps and ignores it.
 - The masked-LM decoder is tied to ``bert.embeddings.word_embeddings`` (one parameter, one
   gradient) plus its own ``cls.predictions.bias``, as in BERT; a config with
   ``tie_word_embeddings=False`` gets an untied ``cls.predictions.decoder`` instead.
@@ -25,10 +34,11 @@ Guarantees:
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
@@ -99,6 +109,8 @@ def check_config(config: BertConfig) -> None:
         raise ValueError(f"config: expected a transformers.BertConfig, got {type(config).__name__}")
     if config.model_type != "bert":
         raise ValueError(f"config.model_type: expected 'bert', got {config.model_type!r}")
+    if not isinstance(config.num_hidden_layers, int) or config.num_hidden_layers < 1:
+        raise ValueError(f"config.num_hidden_layers: expected an integer >= 1, got {config.num_hidden_layers!r}")
     if config.hidden_size % config.num_attention_heads:
         raise ValueError(
             f"config.hidden_size ({config.hidden_size}) must be a multiple of "
@@ -204,6 +216,21 @@ class BertEmbeddings(nnx.Module):
         return dropout(self.LayerNorm(x), self.dropout_rate, key)
 
 
+class Tap:
+    """How a layer's dense and LayerNorm sub-layers are applied: plainly here; the ghost-clipping
+    forward (`dpbert.privacy.ghost_clipping`) records their inputs and perturbs their outputs.
+    `name` is the sub-layer's parameter path inside the layer ("attention/self/query")."""
+
+    def dense(self, name: str, layer: nnx.Linear, x: jax.Array) -> jax.Array:
+        return layer(x)
+
+    def layer_norm(self, name: str, ln: nnx.LayerNorm, x: jax.Array) -> jax.Array:
+        return ln(x)
+
+
+NO_TAP = Tap()
+
+
 class BertSelfAttention(nnx.Module):
     def __init__(self, config: BertConfig, *, rngs: nnx.Rngs, dtype: Any):
         h = config.hidden_size
@@ -214,11 +241,11 @@ class BertSelfAttention(nnx.Module):
         self.value = _linear(config, h, h, rngs, dtype)
         self.dropout_rate = config.attention_probs_dropout_prob
 
-    def __call__(self, x: jax.Array, mask: jax.Array | None, key: jax.Array | None) -> jax.Array:
+    def __call__(self, x: jax.Array, mask: jax.Array | None, key: jax.Array | None, tap: Tap = NO_TAP) -> jax.Array:
         heads = (*x.shape[:-1], self.num_heads, self.head_dim)
-        q = self.query(x).reshape(heads)
-        k = self.key(x).reshape(heads)
-        v = self.value(x).reshape(heads)
+        q = tap.dense("attention/self/query", self.query, x).reshape(heads)
+        k = tap.dense("attention/self/key", self.key, x).reshape(heads)
+        v = tap.dense("attention/self/value", self.value, x).reshape(heads)
         rng = key if self.dropout_rate > 0.0 else None
         context = dot_product_attention(q, k, v, mask, dropout_rate=self.dropout_rate, dropout_rng=rng)
         return context.reshape(x.shape)
@@ -230,8 +257,9 @@ class BertSelfOutput(nnx.Module):
         self.LayerNorm = _layer_norm(config, rngs, dtype)
         self.dropout_rate = config.hidden_dropout_prob
 
-    def __call__(self, x: jax.Array, residual: jax.Array, key: jax.Array | None) -> jax.Array:
-        return self.LayerNorm(dropout(self.dense(x), self.dropout_rate, key) + residual)
+    def __call__(self, x: jax.Array, residual: jax.Array, key: jax.Array | None, tap: Tap = NO_TAP) -> jax.Array:
+        h = dropout(tap.dense("attention/output/dense", self.dense, x), self.dropout_rate, key) + residual
+        return tap.layer_norm("attention/output/LayerNorm", self.LayerNorm, h)
 
 
 class BertAttention(nnx.Module):
@@ -239,9 +267,9 @@ class BertAttention(nnx.Module):
         self.self = BertSelfAttention(config, rngs=rngs, dtype=dtype)
         self.output = BertSelfOutput(config, rngs=rngs, dtype=dtype)
 
-    def __call__(self, x: jax.Array, mask: jax.Array | None, key: jax.Array | None) -> jax.Array:
-        context = self.self(x, mask, _fold(key, _SITE_ATTN_PROBS))
-        return self.output(context, x, _fold(key, _SITE_ATTN_OUT))
+    def __call__(self, x: jax.Array, mask: jax.Array | None, key: jax.Array | None, tap: Tap = NO_TAP) -> jax.Array:
+        context = self.self(x, mask, _fold(key, _SITE_ATTN_PROBS), tap)
+        return self.output(context, x, _fold(key, _SITE_ATTN_OUT), tap)
 
 
 class BertIntermediate(nnx.Module):
@@ -249,8 +277,8 @@ class BertIntermediate(nnx.Module):
         self.dense = _linear(config, config.hidden_size, config.intermediate_size, rngs, dtype)
         self.hidden_act = config.hidden_act
 
-    def __call__(self, x: jax.Array) -> jax.Array:
-        return ACTIVATIONS[self.hidden_act](self.dense(x))
+    def __call__(self, x: jax.Array, tap: Tap = NO_TAP) -> jax.Array:
+        return ACTIVATIONS[self.hidden_act](tap.dense("intermediate/dense", self.dense, x))
 
 
 class BertOutput(nnx.Module):
@@ -259,42 +287,106 @@ class BertOutput(nnx.Module):
         self.LayerNorm = _layer_norm(config, rngs, dtype)
         self.dropout_rate = config.hidden_dropout_prob
 
-    def __call__(self, x: jax.Array, residual: jax.Array, key: jax.Array | None) -> jax.Array:
-        return self.LayerNorm(dropout(self.dense(x), self.dropout_rate, key) + residual)
+    def __call__(self, x: jax.Array, residual: jax.Array, key: jax.Array | None, tap: Tap = NO_TAP) -> jax.Array:
+        h = dropout(tap.dense("output/dense", self.dense, x), self.dropout_rate, key) + residual
+        return tap.layer_norm("output/LayerNorm", self.LayerNorm, h)
 
 
 class BertLayer(nnx.Module):
+    """One encoder layer. Inside `BertEncoder` its parameters carry a leading layer axis and it
+    is called only through `scan_layers`, on one layer's slice at a time."""
+
     def __init__(self, config: BertConfig, *, rngs: nnx.Rngs, dtype: Any):
         self.attention = BertAttention(config, rngs=rngs, dtype=dtype)
         self.intermediate = BertIntermediate(config, rngs=rngs, dtype=dtype)
         self.output = BertOutput(config, rngs=rngs, dtype=dtype)
 
-    def __call__(self, x: jax.Array, mask: jax.Array | None, key: jax.Array | None) -> jax.Array:
-        attended = self.attention(x, mask, key)
-        return self.output(self.intermediate(attended), attended, _fold(key, _SITE_FFN_OUT))
+    def __call__(self, x: jax.Array, mask: jax.Array | None, key: jax.Array | None, tap: Tap = NO_TAP) -> jax.Array:
+        attended = self.attention(x, mask, key, tap)
+        return self.output(self.intermediate(attended, tap), attended, _fold(key, _SITE_FFN_OUT), tap)
 
 
-def _rematerialized(layer: BertLayer, x: jax.Array, mask: jax.Array | None, key: jax.Array | None) -> jax.Array:
-    """`layer(x, mask, key)` under jax.checkpoint: the backward pass recomputes the layer's
-    activations from its input instead of keeping them (same values, less memory, more flops)."""
+def stack_modules(modules: list[nnx.Module]) -> nnx.Module:
+    """One module of the same structure whose every variable is the stack (new leading axis) of
+    the modules' variables, in order: the layout `scan_layers` runs."""
+    if not modules:
+        raise ValueError("stack_modules: expected at least one module")
+    graphdef, _ = nnx.split(modules[0])
+    return nnx.merge(graphdef, jax.tree_util.tree_map(lambda *xs: jnp.stack(xs), *[nnx.state(m) for m in modules]))
+
+
+def num_stacked(module: nnx.Module) -> int:
+    """The length of the leading (layer) axis of a stacked module's variables."""
+    return jax.tree_util.tree_leaves(nnx.state(module))[0].shape[0]
+
+
+_UNROLL = False  # set by `unrolled_layers()`, read when a layer scan is traced
+
+
+@contextlib.contextmanager
+def unrolled_layers() -> Iterator[None]:
+    """Within this context, layer scans traced (`scan_layers`, `layer_scan`: the encoder and the
+    ghost-clipping passes over layers) are fully unrolled: the same computation as straight-line
+    code. For FLOP counts only: XLA's cost analysis counts a loop body once, whatever its trip
+    count (`dpbert.train.compile`); compile time grows with depth again in here."""
+    global _UNROLL
+    previous, _UNROLL = _UNROLL, True
+    try:
+        yield
+    finally:
+        _UNROLL = previous
+
+
+def layer_scan(f: Callable[[Any, Any], tuple[Any, Any]], init: Any, xs: Any) -> tuple[Any, Any]:
+    """`jax.lax.scan(f, init, xs)` over a leading layer axis (unrolled inside `unrolled_layers()`)."""
+    return jax.lax.scan(f, init, xs, unroll=_UNROLL)
+
+
+def scan_layers(
+    layer: nnx.Module,
+    x: jax.Array,
+    body: Callable[[nnx.Module, jax.Array, jax.Array, Any], tuple[jax.Array, Any]],
+    xs: Any = None,
+    *,
+    remat: bool = False,
+) -> tuple[jax.Array, Any]:
+    """Run `body(layer_i, x, i, xs_i) -> (x, y_i)` for each layer i of the stacked `layer` under
+    `jax.lax.scan` (one compiled body, whatever the depth); returns (last x, ys stacked on a
+    leading layer axis). `xs` is a pytree with a leading layer axis (or None); `i` is a traced
+    int32 (fold it into keys as an int). `remat` wraps the body in `jax.checkpoint`."""
     graphdef, state = nnx.split(layer)
-    return jax.checkpoint(lambda s, x, mask, key: nnx.merge(graphdef, s)(x, mask, key))(state, x, mask, key)
+
+    def step(carry: jax.Array, inputs: tuple[Any, jax.Array, Any]) -> tuple[jax.Array, Any]:
+        layer_state, i, xs_i = inputs
+        return body(nnx.merge(graphdef, layer_state), carry, i, xs_i)
+
+    if remat:
+        step = jax.checkpoint(step)
+    return layer_scan(step, x, (state, jnp.arange(num_stacked(layer), dtype=jnp.int32), xs))
+
+
+def layer_key(key: jax.Array | None, i: int | jax.Array) -> jax.Array | None:
+    """Dropout key of encoder layer i: fold_in(key, _SITE_LAYER_BASE + i)."""
+    return _fold(key, _SITE_LAYER_BASE + i)
 
 
 class BertEncoder(nnx.Module):
     def __init__(self, config: BertConfig, *, rngs: nnx.Rngs, dtype: Any, remat: bool = False):
-        self.layer = nnx.List([BertLayer(config, rngs=rngs, dtype=dtype) for _ in range(config.num_hidden_layers)])
+        # Built layer by layer (the same rngs draws as separate layers), then stacked.
+        self.layer = stack_modules([BertLayer(config, rngs=rngs, dtype=dtype) for _ in range(config.num_hidden_layers)])
         self.remat = remat
 
     def __call__(
-        self, x: jax.Array, mask: jax.Array | None, key: jax.Array | None
-    ) -> tuple[jax.Array, tuple[jax.Array, ...]]:
-        states = [x]
-        for i, layer in enumerate(self.layer):
-            layer_key = _fold(key, _SITE_LAYER_BASE + i)
-            x = _rematerialized(layer, x, mask, layer_key) if self.remat else layer(x, mask, layer_key)
-            states.append(x)
-        return x, tuple(states)
+        self, x: jax.Array, mask: jax.Array | None, key: jax.Array | None, *, output_hidden_states: bool = False
+    ) -> tuple[jax.Array, tuple[jax.Array, ...] | None]:
+        def body(layer: BertLayer, x: jax.Array, i: jax.Array, _: Any) -> tuple[jax.Array, jax.Array | None]:
+            x = layer(x, mask, layer_key(key, i))
+            return x, (x if output_hidden_states else None)
+
+        last, states = scan_layers(self.layer, x, body, remat=self.remat)
+        if not output_hidden_states:
+            return last, None
+        return last, (x, *(states[i] for i in range(states.shape[0])))
 
 
 class BertPooler(nnx.Module):
@@ -376,11 +468,10 @@ class BertModel(_PretrainedMixin, nnx.Module):
             token_type_ids = jnp.zeros_like(input_ids)
         mask = _attention_mask(None if attention_mask is None else jnp.asarray(attention_mask))
         x = self.embeddings(input_ids, jnp.asarray(token_type_ids), _fold(dropout_rng, _SITE_EMBEDDINGS))
-        x, states = self.encoder(x, mask, dropout_rng)
+        x, states = self.encoder(x, mask, dropout_rng, output_hidden_states=output_hidden_states)
         pooled = None if self.pooler is None else self.pooler(x)
         return BaseModelOutput(
-            last_hidden_state=x, pooler_output=pooled, hidden_states=states if output_hidden_states else None
-        )
+            last_hidden_state=x, pooler_output=pooled, hidden_states=states)
 
 
 class BertPredictionHeadTransform(nnx.Module):

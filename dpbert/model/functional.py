@@ -20,6 +20,12 @@ DP core vmaps, with params unbatched and one dropout key per example::
         lambda ids, mask, types, key: mlm_logits(graphdef, params, ids, mask, types, key),
     )
 
+Encoder layers are stacked (one scanned layer body, see ``dpbert.model.bert``): the params
+tree has ``bert/encoder/layer/<sub-layer>/<leaf>`` with a leading layer axis.
+``unstack_layers(params)`` gives the per-layer layout of earlier dpbert versions
+(``bert/encoder/layer/<i>/...``) and ``stack_layers`` the stacked one back, exactly (e.g. to
+read checkpoints written before the scan).
+
 ``dropout_rng=None`` runs in inference mode; with a key, every dropout site draws from
 ``fold_in`` of it (see ``dpbert.model.bert``), so the same key reproduces the same output.
 ``graphdef`` is hashable static structure and a pytree without leaves: close over it, bind it
@@ -35,6 +41,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dpbert.model.bert import BertForMaskedLM, BertForSequenceClassification, BertModel
+from dpbert.model.hf_io import layer_path, stacked_layer_axis
 
 
 def split_params(model: nnx.Module) -> tuple[nnx.GraphDef, nnx.State]:
@@ -45,6 +52,69 @@ def split_params(model: nnx.Module) -> tuple[nnx.GraphDef, nnx.State]:
 def merge(graphdef: nnx.GraphDef, params: nnx.State) -> Any:
     """Rebuild the module from ``split_params`` output."""
     return nnx.merge(graphdef, params)
+
+
+def _row(x: Any, i: int) -> Any:
+    """Row i of a stacked leaf (an array, or a ShapeDtypeStruct whose sharding loses that axis)."""
+    if isinstance(x, jax.ShapeDtypeStruct):
+        sharding = x.sharding
+        if isinstance(sharding, jax.sharding.NamedSharding):
+            spec = tuple(sharding.spec) + (None,) * (len(x.shape) - len(sharding.spec))
+            sharding = jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(*spec[1:]))
+        return jax.ShapeDtypeStruct(x.shape[1:], x.dtype, sharding=sharding)
+    return x[i]
+
+
+def _stack(xs: list[Any]) -> Any:
+    if isinstance(xs[0], jax.ShapeDtypeStruct):
+        return jax.ShapeDtypeStruct((len(xs), *xs[0].shape), xs[0].dtype)
+    return jnp.stack(xs)
+
+
+def _map_leaf(leaf: Any, fn: Any) -> Any:
+    return leaf.replace(fn(leaf.get_value())) if isinstance(leaf, nnx.Variable) else fn(leaf)
+
+
+def unstack_layers(params: nnx.State) -> nnx.State:
+    """The per-layer layout of a stacked params tree (or of any tree of the same structure, such
+    as an optimizer moment): ``bert/encoder/layer/<leaf path>`` [L, ...] becomes
+    ``bert/encoder/layer/<i>/<leaf path>`` for i < L. Leaves may be arrays or ShapeDtypeStructs."""
+    flat = []
+    for path, leaf in nnx.to_flat_state(params):
+        if stacked_layer_axis(path) is None:
+            flat.append((path, leaf))
+            continue
+        value = leaf.get_value() if isinstance(leaf, nnx.Variable) else leaf
+        for i in range(value.shape[0]):
+            flat.append((layer_path(path, i), _map_leaf(leaf, lambda v, i=i: _row(v, i))))
+    return nnx.from_flat_state(flat)
+
+
+def stack_layers(params: nnx.State) -> nnx.State:
+    """Inverse of `unstack_layers`: per-layer ``bert/encoder/layer/<i>/...`` leaves stacked (in
+    layer order) into ``bert/encoder/layer/...`` [L, ...]. Raises ValueError when layers are
+    missing or do not share one structure."""
+    flat, groups = [], {}
+    for path, leaf in nnx.to_flat_state(params):
+        at = next((j for j in range(1, len(path) - 1) if path[j - 1] == "encoder" and path[j] == "layer"), None)
+        if at is None or not str(path[at + 1]).isdigit():
+            flat.append((path, leaf))
+            continue
+        stacked = (*path[: at + 1], *path[at + 2 :])
+        groups.setdefault(stacked, {})[int(path[at + 1])] = leaf
+        if len(groups[stacked]) == 1:
+            flat.append((stacked, None))
+    for j, (path, leaf) in enumerate(flat):
+        if leaf is not None:
+            continue
+        rows = groups[path]
+        if sorted(rows) != list(range(len(rows))) or len(rows) != len(next(iter(groups.values()))):
+            raise ValueError(f"{'/'.join(map(str, path))}: layers {sorted(rows)} do not form one stack")
+        ordered = [rows[i] for i in range(len(rows))]
+        values = [x.get_value() if isinstance(x, nnx.Variable) else x for x in ordered]
+        first = ordered[0]
+        flat[j] = (path, first.replace(_stack(values)) if isinstance(first, nnx.Variable) else _stack(values))
+    return nnx.from_flat_state(flat)
 
 
 def _batched(input_ids: Any, attention_mask: Any, token_type_ids: Any) -> tuple[jax.Array, Any, Any, bool]:

@@ -1,10 +1,12 @@
 """Hugging Face BERT folders <-> dpbert NNX models: the one weight-name mapping.
 
-A dpbert parameter path is the Hugging Face name with the Flax leaf name:
-``("bert", "encoder", "layer", 0, "attention", "self", "query", "kernel")`` is
-``bert.encoder.layer.0.attention.self.query.weight``. Leaf renames: Linear ``kernel`` [in, out]
-<-> ``weight`` [out, in] (transposed), Embed ``embedding`` and LayerNorm ``scale`` <-> ``weight``,
-``bias`` <-> ``bias``.
+A dpbert parameter path is the Hugging Face name with the Flax leaf name, except that the
+encoder's layers are stacked (``dpbert.model.bert``: one scanned layer body): the parameter
+``("bert", "encoder", "layer", "attention", "self", "query", "kernel")`` has a leading layer
+axis, and its row i is ``bert.encoder.layer.{i}.attention.self.query.weight``. Leaf renames:
+Linear ``kernel`` [in, out] <-> ``weight`` [out, in] (transposed), Embed ``embedding`` and
+LayerNorm ``scale`` <-> ``weight``, ``bias`` <-> ``bias``. Files on disk are unchanged by the
+stacking: one tensor per layer, under the names transformers uses.
 
 Guarantees:
 - Loading accepts checkpoints with or without the ``bert.`` prefix (a bare ``BertModel`` save),
@@ -134,11 +136,29 @@ def read_state_dict(folder: str | os.PathLike[str]) -> tuple[dict[str, np.ndarra
 
 
 def hf_name(path: tuple[Any, ...]) -> str:
-    """Hugging Face parameter name of an nnx state path."""
+    """Hugging Face parameter name of an nnx state path (per-layer: with its layer index)."""
     *module, leaf = (str(p) for p in path)
     if leaf not in _LEAF_TO_HF:
         raise ValueError(f"{'.'.join(map(str, path))}: no Hugging Face name for parameter leaf {leaf!r}")
     return ".".join([*module, _LEAF_TO_HF[leaf]])
+
+
+def stacked_layer_axis(path: tuple[Any, ...]) -> int | None:
+    """Where the layer index goes in `path` when it names a stacked encoder-layer parameter
+    (``(..., "encoder", "layer", "attention", ...)``: the position after "layer"); None for every
+    other parameter, and for a per-layer path that already has its index."""
+    for j in range(1, len(path) - 1):
+        if path[j - 1] == "encoder" and path[j] == "layer":
+            return None if isinstance(path[j + 1], int) or str(path[j + 1]).isdigit() else j + 1
+    return None
+
+
+def layer_path(path: tuple[Any, ...], layer: int) -> tuple[Any, ...]:
+    """The per-layer path of row `layer` of a stacked parameter path."""
+    at = stacked_layer_axis(path)
+    if at is None:
+        raise ValueError(f"{'.'.join(map(str, path))}: not a stacked encoder-layer parameter")
+    return (*path[:at], layer, *path[at:])
 
 
 def _hf_layout(path: tuple[Any, ...], value: np.ndarray) -> np.ndarray:
@@ -149,16 +169,28 @@ def _hf_shape(path: tuple[Any, ...], shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(shape[::-1]) if path[-1] == "kernel" else tuple(shape)
 
 
-def _model_params(model: nnx.Module) -> dict[str, tuple[tuple[Any, ...], nnx.Variable]]:
-    return {hf_name(path): (path, var) for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+def _model_params(model: nnx.Module) -> dict[str, tuple[tuple[Any, ...], nnx.Variable, int | None]]:
+    """{Hugging Face name: (nnx path, variable, layer row or None)}: a stacked encoder parameter
+    appears once per layer, under each layer's name."""
+    out = {}
+    for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+        if stacked_layer_axis(path) is None:
+            out[hf_name(path)] = (path, var, None)
+        else:
+            for i in range(var.get_value().shape[0]):
+                out[hf_name(layer_path(path, i))] = (path, var, i)
+    return out
 
 
 def to_hf_state(model: nnx.Module) -> dict[str, np.ndarray]:
     """The model's parameters as float32 numpy arrays under Hugging Face names and layouts."""
-    return {
-        name: _hf_layout(path, np.asarray(var[...], dtype=np.float32))
-        for name, (path, var) in _model_params(model).items()
-    }
+    host: dict[tuple[Any, ...], np.ndarray] = {}
+    out = {}
+    for name, (path, var, row) in _model_params(model).items():
+        if path not in host:
+            host[path] = np.asarray(var[...], dtype=np.float32)
+        out[name] = _hf_layout(path, host[path] if row is None else host[path][row])
+    return out
 
 
 def _align_prefix(state: Mapping[str, np.ndarray], prefix: str | None) -> dict[str, np.ndarray]:
@@ -190,18 +222,31 @@ def load_hf_state(model: nnx.Module, state: Mapping[str, np.ndarray], source: st
         shown = ", ".join(fatal[:8]) + (f" ... ({len(fatal)} in all)" if len(fatal) > 8 else "")
         raise ValueError(f"{source}: missing weights for {shown}; is this a BERT checkpoint for this config?")
     mismatched = []
-    for name, (path, var) in params.items():
+    for name, (path, var, row) in params.items():
         if name in state:
-            expected = _hf_shape(path, var.get_value().shape)
+            shape = var.get_value().shape
+            expected = _hf_shape(path, shape if row is None else shape[1:])
             if tuple(state[name].shape) != expected:
                 mismatched.append(f"{name}: expected shape {expected}, found {tuple(state[name].shape)}")
     if mismatched:
         raise ValueError(f"{source}: weights do not match config.json: " + "; ".join(mismatched))
 
+    # Stacked encoder parameters: every layer's row from the checkpoint (all present: only head
+    # weights may be missing), stacked along the leading layer axis.
+    values: dict[tuple[Any, ...], Any] = {}
+    variables: dict[tuple[Any, ...], nnx.Variable] = {}
+    for name, (path, var, row) in params.items():
+        if name not in state:
+            continue
+        variables[path] = var
+        value = _hf_layout(path, state[name])
+        if row is None:
+            values[path] = value
+        else:
+            values.setdefault(path, {})[row] = value
     updates = [
-        (path, var.replace(jnp.asarray(_hf_layout(path, state[name]))))
-        for name, (path, var) in params.items()
-        if name in state
+        (path, variables[path].replace(jnp.asarray(v if not isinstance(v, dict) else np.stack([v[i] for i in sorted(v)]))))
+        for path, v in values.items()
     ]
     nnx.update(model, nnx.from_flat_state(updates))
 

@@ -38,6 +38,14 @@ ACCOUNTANTS = ("pld", "rdp")
 SAMPLING = "poisson"
 PRIVACY_UNIT = "one example sequence"
 NEIGHBORING_RELATION = "add_or_remove_one"
+DATASET_SIZE_SOURCES = ("declared", "rounded", "exact")
+
+
+def round_down_significant(n: int, digits: int = 2) -> int:
+    """`n` rounded down to `digits` significant digits (37,458 -> 37,000; 999 -> 990; 7 -> 7)."""
+    _check_dataset_size(n)
+    unit = 10 ** max(len(str(n)) - digits, 0)
+    return n // unit * unit
 # PLD value discretization: 1e-4 keeps epsilon within ~1e-3 of the exact value for the
 # schedules we run, at well under a second per stage.
 PLD_DISCRETIZATION = 1e-4
@@ -301,6 +309,11 @@ class PrivacyLedger:
 
     The guarantee is (epsilon(), delta + truncation_delta())-DP for add-or-remove-one
     `privacy_unit`, with Poisson sampling at each stage's `sampling_rate`.
+
+    `dataset_size` is treated as public: `dataset_size_source` says whether it was
+    "declared" (a number fixed before the data was seen), "rounded" (the true count rounded
+    down to 2 significant digits; the run samples from that many examples) or "exact" (the
+    true count, for data whose size is public, such as a benchmark task).
     """
 
     accountant: str
@@ -312,9 +325,14 @@ class PrivacyLedger:
     sampling: str = SAMPLING
     privacy_unit: str = PRIVACY_UNIT
     neighboring_relation: str = NEIGHBORING_RELATION
+    dataset_size_source: str = "exact"
 
     def __post_init__(self) -> None:
         _check_accountant(self.accountant)
+        if self.dataset_size_source not in DATASET_SIZE_SOURCES:
+            raise ValueError(
+                f"dataset_size_source must be one of {list(DATASET_SIZE_SOURCES)}, got {self.dataset_size_source!r}"
+            )
         _check_delta(self.delta)
         _check_dataset_size(self.dataset_size)
         if not (isinstance(self.clip_norm, int | float) and self.clip_norm > 0):
@@ -353,6 +371,7 @@ class PrivacyLedger:
         accountant: str = "pld",
         physical_batch_sizes: Sequence[int | None] | None = None,
         target_epsilon: float | None = None,
+        dataset_size_source: str = "exact",
     ) -> PrivacyLedger:
         physical = physical_batch_sizes or [None] * len(schedule.stages)
         if len(physical) != len(schedule.stages):
@@ -377,6 +396,7 @@ class PrivacyLedger:
             clip_norm=clip_norm,
             stages=stages,
             target_epsilon=target_epsilon,
+            dataset_size_source=dataset_size_source,
         )
 
     @property

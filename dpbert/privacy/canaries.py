@@ -22,7 +22,8 @@ The one-run bound (`dpbert.privacy.audit`) then turns the scores into an epsilon
 
 Guarantees: the bound is a valid lower bound at `confidence` for the run's own claim
 `ledger.epsilon()` at `ledger.delta + ledger.truncation_delta()`; all randomness comes from
-`seed` (canary coin flips from one key, the run's steps from fold_in(run_key, t)).
+the audit's `secret` (`audit_keys`: canary coin flips from one key, the run's steps from
+fold_in(run_key, t) of another), never from anything published.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ import optax
 from dpbert.privacy.accounting import PrivacyLedger, calibrate_noise_multiplier, sampling_rate
 from dpbert.privacy.audit import OneRunAudit, audit_scores
 from dpbert.privacy.dp_step import make_dp_train_step
-from dpbert.privacy.randomness import step_key
+from dpbert.privacy.randomness import RunSecret, mechanism_key, step_key
 from dpbert.privacy.sampling import physical_batch_size, poisson_sample
 from dpbert.privacy.schedule import BatchSchedule
 
@@ -59,7 +60,7 @@ class GradientCanaryConfig:
     num_other_examples: int
     clip_norm: float
     delta: float
-    seed: int
+    secret: RunSecret
     microbatch_size: int = 256
     canary_gradient_norm: float | None = None
     target_epsilon: float | None = None
@@ -108,10 +109,10 @@ def canary_inclusion(key: jax.Array, num_canaries: int) -> np.ndarray:
     return np.asarray(jax.random.bernoulli(key, 0.5, (num_canaries,)))
 
 
-def audit_keys(seed: int) -> tuple[jax.Array, jax.Array]:
-    """(run_key, canary_key): the training run's key and the canary coin flips' key, disjoint."""
-    run_key, canary_key = jax.random.split(jax.random.key(seed))
-    return run_key, canary_key
+def audit_keys(secret: RunSecret, kind: str) -> tuple[jax.Array, jax.Array]:
+    """(run_key, canary_key) of a `kind` audit: its training run's key and its canary draw's key,
+    domain-separated from each other and from every training mechanism of the same secret."""
+    return mechanism_key(secret, f"audit/{kind}/run"), mechanism_key(secret, f"audit/{kind}/canaries")
 
 
 def _loss_fn(g: float):
@@ -125,7 +126,7 @@ def _loss_fn(g: float):
 def run_gradient_canary_audit(config: GradientCanaryConfig) -> CanaryAuditResult:
     """Train the auxiliary vector with the real DP step and audit it (see the module doc)."""
     c = config
-    run_key, canary_key = audit_keys(c.seed)
+    run_key, canary_key = audit_keys(c.secret, "gradient")
     included = canary_inclusion(canary_key, c.num_canaries)
     canary_ids = np.flatnonzero(included).astype(np.int32)
     n = c.num_other_examples + canary_ids.size

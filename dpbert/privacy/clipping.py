@@ -116,7 +116,14 @@ def scan_microbatches(
     microbatch_size: int,
 ) -> tuple[Any, ClipStats]:
     """Scan `one_microbatch((total, stats), (examples, padding, index))` over the micro-batches,
-    from `init_total` and zero stats; a single micro-batch runs without a loop."""
+    from `init_total` and zero stats; a single micro-batch runs without a loop.
+
+    A micro-batch made only of padding rows is skipped (`lax.cond`): it would add exact zeros
+    to the sum and to every count, so the result is bit-identical, and the cost of a step
+    follows the realized batch (rounded up to whole micro-batches) instead of the physical cap
+    that a Poisson sample is padded to. The step's duration therefore depends on
+    ceil(realized size / microbatch_size), like the `nonprivate/batch_size` diagnostic: a
+    timing side channel outside the guarantee, as any diagnostic on the private batch."""
     num_micro = _check_batch(batch, is_padding, microbatch_size)
     zero = _zero_like_batch(is_padding)
     init_total = jax.tree_util.tree_map(lambda x: x + zero, init_total)
@@ -128,7 +135,11 @@ def scan_microbatches(
     )
     if num_micro == 1:
         return one_microbatch(init, jax.tree_util.tree_map(lambda x: x[0], xs))[0]
-    return jax.lax.scan(one_microbatch, init, xs)[0]
+
+    def skip_padding(carry: Any, mb: tuple[Any, jax.Array, jax.Array]) -> tuple[Any, None]:
+        return jax.lax.cond(jnp.all(mb[1]), lambda c: c, lambda c: one_microbatch(c, mb)[0], carry), None
+
+    return jax.lax.scan(skip_padding, init, xs)[0]
 
 
 def _zeros_f32(params: Any) -> Any:

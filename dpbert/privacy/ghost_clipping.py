@@ -32,6 +32,14 @@ extreme: a finite gradient whose squared norm overflows float32 (norm > ~1e19) i
 
 Forward numerics: the tapped forward calls the model's own submodules (Linear, LayerNorm,
 attention, dropout sites), so the loss and its dropout masks are those of the plain loss.
+
+Depth: the encoder's layers are the model's own scanned layer body (`bert.scan_layers`) with
+taps (`bert.Tap`): one layer is traced and compiled whatever the depth, its tap inputs come
+out stacked on a leading layer axis, the output gradients of the perturbations too (the
+backward of the scan is a scan), and the per-layer norms and clipped sums run as one
+`lax.scan` over the layer axis each. Compile time does not grow with depth, and no piece of
+the program grows with the micro-batch size M either (per-example sums are one dot for
+M > 8, see `_weighted_example_sum`).
 """
 
 from __future__ import annotations
@@ -64,8 +72,10 @@ def mlm_loss_from_logits(logits: jax.Array, example: dict[str, jax.Array]) -> ja
     return jnp.sum(ce * w) / jnp.maximum(jnp.sum(w), 1.0)
 
 
-class _Tape:
-    """Records, during one traced forward, each tap's input and adds its zero perturbation."""
+class _Tape(bert_lib.Tap):
+    """Records, during one traced forward, each tap's input and output shape and adds its zero
+    perturbation. One tape for the taps outside the encoder ("rest"), one per scanned layer
+    body (its names are the sub-layer paths inside a layer, "attention/self/query")."""
 
     def __init__(self, z: dict[str, jax.Array] | None):
         self.z = z
@@ -94,9 +104,20 @@ def _key(path: Path) -> str:
     return "/".join(str(p) for p in path)
 
 
-def _tapped_mlm_forward(model: BertForMaskedLM, example: dict[str, jax.Array], rng: jax.Array | None, tape: _Tape):
-    """Logits [P, V] of ONE example, the model's own computation with taps (batch axis of 1 inside,
-    exactly like `functional.mlm_logits` on an unbatched example)."""
+# Taps are grouped: "rest" (embeddings, MLM head: one array per example) and "layers" (the
+# encoder's, from the scanned layer body: a leading layer axis, then the example axis once
+# vmapped). `ghost_clipped_grad_sum` vmaps `tapped` with these axes.
+_REST, _LAYERS = "rest", "layers"
+_TAP_AXES = {_REST: 0, _LAYERS: 1}
+_LAYER_PARAMS: Path = ("bert", "encoder", "layer")
+
+
+def _tapped_mlm_forward(model: BertForMaskedLM, example: dict[str, jax.Array], rng: jax.Array | None,
+                        z: dict[str, Any] | None) -> tuple[jax.Array, dict[str, Any], dict[str, Any]]:
+    """(logits [P, V], tap inputs, tap output shapes) of ONE example: the model's own computation
+    with taps (batch axis of 1 inside, exactly like `functional.mlm_logits` on an unbatched
+    example); the encoder runs the model's scanned layer body, taps inside."""
+    tape = _Tape(None if z is None else z[_REST])
     ids = example["input_ids"][None]
     types = example.get("token_type_ids")
     types = jnp.zeros_like(ids) if types is None else types[None]
@@ -112,29 +133,20 @@ def _tapped_mlm_forward(model: BertForMaskedLM, example: dict[str, jax.Array], r
     x = tape.out("embeddings", x, {"ids": ids, "types": types})
     x = tape.layer_norm(_key(("bert", "embeddings", "LayerNorm")), emb.LayerNorm, x)
     x = bert_lib.dropout(x, emb.dropout_rate, bert_lib._fold(rng, bert_lib._SITE_EMBEDDINGS))
-    for i, layer in enumerate(model.bert.encoder.layer):
-        lkey = bert_lib._fold(rng, bert_lib._SITE_LAYER_BASE + i)
-        pre = ("bert", "encoder", "layer", i)
-        sa = layer.attention.self
-        heads = (*x.shape[:-1], sa.num_heads, sa.head_dim)
-        q, k, v = (
-            tape.dense(_key(pre + ("attention", "self", n)), getattr(sa, n), x).reshape(heads)
-            for n in ("query", "key", "value")
-        )
-        akey = bert_lib._fold(lkey, bert_lib._SITE_ATTN_PROBS)
-        context = bert_lib.dot_product_attention(
-            q, k, v, mask, dropout_rate=sa.dropout_rate, dropout_rng=akey if sa.dropout_rate > 0.0 else None
-        ).reshape(x.shape)
-        so = layer.attention.output
-        h = tape.dense(_key(pre + ("attention", "output", "dense")), so.dense, context)
-        h = bert_lib.dropout(h, so.dropout_rate, bert_lib._fold(lkey, bert_lib._SITE_ATTN_OUT)) + x
-        attended = tape.layer_norm(_key(pre + ("attention", "output", "LayerNorm")), so.LayerNorm, h)
-        inter = layer.intermediate
-        h = bert_lib.ACTIVATIONS[inter.hidden_act](tape.dense(_key(pre + ("intermediate", "dense")), inter.dense, attended))
-        out = layer.output
-        h = tape.dense(_key(pre + ("output", "dense")), out.dense, h)
-        h = bert_lib.dropout(h, out.dropout_rate, bert_lib._fold(lkey, bert_lib._SITE_FFN_OUT)) + attended
-        x = tape.layer_norm(_key(pre + ("output", "LayerNorm")), out.LayerNorm, h)
+
+    layer_shapes: dict[str, jax.ShapeDtypeStruct] = {}
+
+    def body(layer: Any, x: jax.Array, i: jax.Array, z_i: dict[str, jax.Array] | None):
+        layer_tape = _Tape(z_i)
+        x = layer(x, mask, bert_lib.layer_key(rng, i), layer_tape)
+        layer_shapes.update(layer_tape.outputs)  # static shapes, seen while the body is traced
+        return x, layer_tape.inputs
+
+    layers = model.bert.encoder.layer
+    x, layer_inputs = bert_lib.scan_layers(layers, x, body, None if z is None else z[_LAYERS])
+    n = bert_lib.num_stacked(layers)
+    layer_outputs = {k: jax.ShapeDtypeStruct((n, *v.shape), v.dtype) for k, v in layer_shapes.items()}
+
     positions = example.get("masked_positions")
     if positions is not None:
         x = jnp.take_along_axis(x, positions[None, :, None], axis=1)
@@ -148,7 +160,7 @@ def _tapped_mlm_forward(model: BertForMaskedLM, example: dict[str, jax.Array], r
     else:
         logits = head.decoder(x)
     logits = tape.out("logits", logits + head.bias[...].astype(head.dtype), x)
-    return logits[0]
+    return logits[0], {_REST: tape.inputs, _LAYERS: layer_inputs}, {_REST: tape.outputs, _LAYERS: layer_outputs}
 
 
 # ---------------------------------------------------------------------------- per-layer algebra
@@ -221,10 +233,22 @@ def _weighted_outer(a: jax.Array, g: jax.Array, w: jax.Array) -> jax.Array:
     return jnp.einsum("mti,mto->io", a, g * w[:, None, None])
 
 
+# Micro-batches up to this size sum per-example gradients as an unrolled chain of M
+# multiply-adds (one fused elementwise loop: the fastest form on XLA CPU for M = 4); larger ones
+# as one [M] x [M, N] dot. The unrolled chain made the program, its compile time and its compile
+# memory grow linearly with M (one multiply-add per example per per-example tensor, ~35 tensors
+# for tiny BERT): the tiny recipe's DP step at micro-batch 256 took 2.5x the compile seconds
+# and memory of micro-batch 16, and at 1,024 it went past 9 GB resident before the compile ended.
+_UNROLL_MAX = 8
+
+
 def _weighted_example_sum(x: jax.Array, w: jax.Array) -> jax.Array:
-    """sum_i w_i x_i over the leading (example) axis, as one elementwise loop over x (on XLA CPU a
-    reduce over the leading axis, or a dot with a contraction of M, runs 2-1000x slower)."""
-    return sum((w[i] * x[i] for i in range(1, x.shape[0])), w[0] * x[0])
+    """sum_i w_i x_i over the leading (example) axis: unrolled for M <= _UNROLL_MAX, else one dot
+    (its program size does not depend on M)."""
+    m = x.shape[0]
+    if m <= _UNROLL_MAX:
+        return sum((w[i] * x[i] for i in range(1, m)), w[0] * x[0])
+    return jnp.matmul(w.astype(x.dtype), x.reshape(m, -1), precision=jax.lax.Precision.HIGHEST).reshape(x.shape[1:])
 
 
 def _sq(x: jax.Array) -> jax.Array:
@@ -264,22 +288,23 @@ class MLMGhostLoss:
         return self.tapped(params, example, rng, None)[0]
 
     def tapped(self, params: Any, example: dict[str, jax.Array], rng: jax.Array | None, z: dict | None):
-        """(loss, tap inputs, tap output shapes) of one example, z added at each tap output."""
+        """(loss, tap inputs, tap output shapes) of one example, z added at each tap output.
+
+        Taps come in two groups: "rest" (embeddings and MLM head) and "layers" (the encoder's
+        scanned layer body, every array with a leading layer axis); `ghost_clipped_grad_sum`
+        vmaps this over examples with the example axis after the layer axis (`_TAP_AXES`)."""
         model = merge(self.graphdef, params)
         if not isinstance(model, BertForMaskedLM):
             raise ValueError(f"graphdef: expected a BertForMaskedLM, got {type(model).__name__}")
-        tape = _Tape(z)
-        logits = _tapped_mlm_forward(model, example, rng, tape)
-        return self.loss_from_logits(logits, example), tape.inputs, tape.outputs
+        logits, inputs, outputs = _tapped_mlm_forward(model, example, rng, z)
+        return self.loss_from_logits(logits, example), inputs, outputs
 
-    def sq_norms(
-        self, params: Any, inputs: dict[str, Any], grads: dict[str, jax.Array]
-    ) -> tuple[jax.Array, dict[Path, jax.Array]]:
-        """(squared norm [M] of each example's whole gradient, the per-example gradients that the
-        norm was computed from, keyed by parameter path: biases, LayerNorm scales, token-type
-        and MLM-bias rows, and the kernels clipped by instantiation, `_per_example_kernels`).
-        `weighted_sums` reuses them instead of reading the taps again."""
-        total = 0.0
+    def _tap_sq_norms(self, inputs: dict[str, Any], grads: dict[str, jax.Array]
+                      ) -> tuple[jax.Array | float, dict[Path, jax.Array]]:
+        """(summed ghost squared norms [M] of the dense taps clipped by ghost norms, the
+        per-example gradients of the others: biases, LayerNorm scales, instantiated kernels),
+        keyed by the tap's parameter path."""
+        total: jax.Array | float = 0.0
         per_example: dict[Path, jax.Array] = {}
         for name, g in grads.items():
             if name in ("embeddings", "logits"):
@@ -293,9 +318,29 @@ class MLMGhostLoss:
                 per_example[path + ("kernel",)] = _per_example_kernels(a, g)
             else:
                 total += _ghost_sq_norm(a, g)
-        embedding_total, embedding_rows = self._embedding_sq_norms(params, inputs, grads)
-        per_example |= embedding_rows
-        return total + embedding_total + sum(_sq(x) for x in per_example.values()), per_example
+        return total, per_example
+
+    def sq_norms(
+        self, params: Any, inputs: dict[str, Any], grads: dict[str, Any]
+    ) -> tuple[jax.Array, dict[str, dict[Path, jax.Array]]]:
+        """(squared norm [M] of each example's whole gradient, the per-example gradients that the
+        norm was computed from: {"rest": {path: [M, ...]}, "layers": {path inside a layer:
+        [L, M, ...]}}: biases, LayerNorm scales, token-type and MLM-bias rows, and the kernels
+        clipped by instantiation, `_per_example_kernels`). `weighted_sums` reuses them instead of
+        reading the taps again. The encoder's layers are done by one `lax.scan` over the layer
+        axis (one compiled body, whatever the depth)."""
+        total, rest = self._tap_sq_norms(inputs[_REST], grads[_REST])
+        embedding_total, embedding_rows = self._embedding_sq_norms(params, inputs[_REST], grads[_REST])
+        rest |= embedding_rows
+        total = total + embedding_total + sum(_sq(x) for x in rest.values())
+
+        def layer(total: jax.Array, taps: tuple[dict[str, Any], dict[str, jax.Array]]):
+            layer_total, per_example = self._tap_sq_norms(*taps)
+            return total + layer_total + sum(_sq(x) for x in per_example.values()), per_example
+
+        # The carry starts from the other taps' total: it varies per device like them under shard_map.
+        total, layers = bert_lib.layer_scan(layer, total, (inputs[_LAYERS], grads[_LAYERS]))
+        return total, {_REST: rest, _LAYERS: layers}
 
     def _embedding_sq_norms(
         self, params: Any, inputs: dict[str, Any], grads: dict[str, jax.Array]
@@ -332,12 +377,9 @@ class MLMGhostLoss:
     def _tied(params: Any) -> bool:
         return "decoder" not in params["cls"]["predictions"]
 
-    def weighted_sums(
-        self, params: Any, inputs: dict[str, Any], grads: dict[str, jax.Array], w: jax.Array,
-        per_example: dict[Path, jax.Array],
-    ) -> dict[Path, jax.Array]:
-        """sum_i w_i grad_i for every parameter, keyed by parameter path (float32). Taps and the
-        per-example gradients of `sq_norms` must already be exactly zero for dropped examples."""
+    def _tap_weighted_sums(self, inputs: dict[str, Any], grads: dict[str, jax.Array], w: jax.Array,
+                           per_example: dict[Path, jax.Array]) -> dict[Path, jax.Array]:
+        """sum_i w_i grad_i of the dense and LayerNorm taps' parameters, keyed by parameter path."""
         out = {path: _weighted_example_sum(x, w) for path, x in per_example.items()}
         for name, g in grads.items():
             if name in ("embeddings", "logits") or name.endswith("LayerNorm"):
@@ -348,6 +390,35 @@ class MLMGhostLoss:
                 out[kernel] = _weighted_outer(a, g, w)
             elif _kernels_transposed(a, g):
                 out[kernel] = out[kernel].T
+        return out
+
+    def weighted_sums(
+        self, params: Any, inputs: dict[str, Any], grads: dict[str, Any], w: jax.Array,
+        per_example: dict[str, dict[Path, jax.Array]], clean: Callable[[jax.Array], jax.Array] = lambda x: x,
+    ) -> dict[Path, jax.Array]:
+        """sum_i w_i grad_i for every parameter, keyed by parameter path (float32); the encoder's
+        stacked parameters [L, ...] by one `lax.scan` over the layer axis. `clean` is applied to
+        every float tap, output gradient and per-example gradient of one micro-batch ([M, ...])
+        before it is used (the caller zeroes the rows of dropped examples with it)."""
+
+        def cleaned(tree: Any) -> Any:
+            return jax.tree_util.tree_map(lambda x: clean(x) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)
+
+        rest_in, rest_g, rest_pe = cleaned((inputs[_REST], grads[_REST], per_example[_REST]))
+        out = self._tap_weighted_sums(rest_in, rest_g, w, rest_pe)
+        out |= self._embedding_weighted_sums(params, rest_in, rest_g, w)
+
+        def layer(carry: None, taps: tuple[Any, Any, Any]) -> tuple[None, dict[Path, jax.Array]]:
+            return None, self._tap_weighted_sums(*cleaned(taps[:2]), w, cleaned(taps[2]))
+
+        _, layers = bert_lib.layer_scan(layer, None, (inputs[_LAYERS], grads[_LAYERS], per_example[_LAYERS]))
+        out |= {_LAYER_PARAMS + path: x for path, x in layers.items()}
+        return out
+
+    def _embedding_weighted_sums(self, params: Any, inputs: dict[str, Any], grads: dict[str, jax.Array],
+                                 w: jax.Array) -> dict[Path, jax.Array]:
+        """sum_i w_i grad_i of the word and position tables and of the untied decoder."""
+        out = {}
         m = w.shape[0]
         ids = inputs["embeddings"]["ids"].reshape(m, -1)
         g = _flat(grads["embeddings"]) * w[:, None, None]
@@ -374,6 +445,35 @@ def _param_path(path: tuple[Any, ...]) -> Path:
     return tuple(k.key if hasattr(k, "key") else k.idx for k in path if hasattr(k, "key") or hasattr(k, "idx"))
 
 
+def _ghost_norms(loss: MLMGhostLoss, params: Any, examples: Any, keys: jax.Array, like: jax.Array):
+    """(losses [M], squared gradient norms [M], per-example gradients, tap inputs, output
+    gradients) of one micro-batch: one tapped forward and one backward to the tap outputs.
+    `like` ([M], e.g. the padding mask) types the zero perturbations (see below)."""
+    # Examples vmapped; the encoder's taps keep their layer axis first (`_TAP_AXES`), so the
+    # scans over layers in `sq_norms` and `weighted_sums` read them without a transpose.
+    tapped = jax.vmap(lambda p, e, k, z: loss.tapped(p, e, k, z)[:2], in_axes=(None, 0, 0, _TAP_AXES),
+                      out_axes=(0, _TAP_AXES))
+    shapes = jax.eval_shape(
+        jax.vmap(lambda p, e, k: loss.tapped(p, e, k, None)[2], in_axes=(None, 0, 0), out_axes=_TAP_AXES),
+        params, examples, keys,
+    )
+    # Zeros shaped like the taps but typed like `like`: under shard_map they vary per device,
+    # so each device's output gradients stay its own examples' (not a sum over devices).
+    z = jax.tree_util.tree_map(lambda s: jnp.zeros_like(like, shape=s.shape, dtype=s.dtype), shapes)
+    # Params are closed over: the backward pass stops at the layer outputs (no weight grads).
+    losses, vjp, inputs = jax.vjp(lambda z: tapped(params, examples, keys, z), z, has_aux=True)
+    (out_grads,) = vjp(jnp.ones_like(losses))
+    sq_norms, per_example = loss.sq_norms(params, inputs, out_grads)
+    return losses, sq_norms, per_example, inputs, out_grads
+
+
+def ghost_sq_norms(loss: MLMGhostLoss, params: Any, examples: Any, keys: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(losses [M], squared norms [M] of each example's whole gradient) by ghost norms, example i
+    with dropout key keys[i]: the quantities `ghost_clipped_grad_sum` clips with (diagnostics, tests)."""
+    losses, sq_norms, *_ = _ghost_norms(loss, params, examples, keys, jnp.zeros(keys.shape[:1], jnp.bool_))
+    return losses, sq_norms
+
+
 def ghost_clipped_grad_sum(
     loss: MLMGhostLoss,
     params: Any,
@@ -394,40 +494,25 @@ def ghost_clipped_grad_sum(
         )
     if not clip_norm > 0:
         raise ValueError(f"clip_norm must be > 0, got {clip_norm!r}")
-    tapped = jax.vmap(loss.tapped, in_axes=(None, 0, 0, 0))
     leaves = {_param_path(p): leaf for p, leaf in jax.tree_util.tree_leaves_with_path(params)}
 
     def one_microbatch(carry: tuple[dict[Path, jax.Array], ClipStats], xs: tuple[Any, jax.Array, jax.Array]):
         total, stats = carry
         examples, padding, index = xs
         keys = example_keys(rng, position_offset, index, microbatch_size)
-        shapes = jax.eval_shape(lambda: tapped(params, examples, keys, None)[2])
-        # Zeros shaped like the taps but typed like `padding`: under shard_map they vary per device,
-        # so each device's output gradients stay its own examples' (not a sum over devices).
-        z = jax.tree_util.tree_map(lambda s: jnp.zeros_like(padding, shape=s.shape, dtype=s.dtype), shapes)
-        # Params are closed over: the backward pass stops at the layer outputs (no weight grads).
-        losses, vjp, inputs = jax.vjp(lambda z: tapped(params, examples, keys, z)[:2], z, has_aux=True)
-        (out_grads,) = vjp(jnp.ones_like(losses))
-        sq_norms, per_example = loss.sq_norms(params, inputs, out_grads)
+        losses, sq_norms, per_example, inputs, out_grads = _ghost_norms(loss, params, examples, keys, padding)
         keep, scale, stats = clip_scale(stats, jnp.sqrt(sq_norms), losses, padding, clip_norm)
 
-        def zero_dropped(x: jax.Array) -> jax.Array:
-            return _where_kept(keep, x) if jnp.issubdtype(x.dtype, jnp.floating) else x
-
         def weighted_sums(clean: Callable[[jax.Array], jax.Array]) -> dict[Path, jax.Array]:
-            return loss.weighted_sums(
-                params,
-                jax.tree_util.tree_map(clean, inputs),
-                jax.tree_util.tree_map(clean, out_grads),
-                scale,
-                {k: clean(v) for k, v in per_example.items()},
-            )
+            return loss.weighted_sums(params, inputs, out_grads, scale, per_example, clean)
 
         # Every tap enters its example's squared norm multiplied by itself, so finite norms mean
         # finite taps, and a factor of 0 (padding, non-finite loss) then gives exact zeros. Only a
         # micro-batch with a non-finite norm pays for zeroing the dropped rows first (0 * NaN = NaN).
         sums = jax.lax.cond(
-            jnp.all(jnp.isfinite(sq_norms)), lambda: weighted_sums(lambda x: x), lambda: weighted_sums(zero_dropped)
+            jnp.all(jnp.isfinite(sq_norms)),
+            lambda: weighted_sums(lambda x: x),
+            lambda: weighted_sums(lambda x: _where_kept(keep, x)),
         )
         if set(sums) != set(total):
             # A parameter without a tap would silently escape clipping: refuse instead.

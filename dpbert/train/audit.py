@@ -17,9 +17,13 @@ Two kinds of canaries (Steinke, Nasr, Jagielski 2023; the bound is `dpbert.priva
 
 Outputs in OUTPUT_DIR: `audit.json` (`kind`, `epsilon_claimed`, `delta`,
 `epsilon_lower_bound`, `epsilon_lower_bound_max_over_k`, `confidence`, canary and guess
-counts, `date` (UTC, ISO 8601), `audit: true`). With `--card RELEASE_DIR` the result is also
-added to that release's privacy.json and model card as an audited figure, clearly labelled an
-empirical lower bound (`dpbert.release.audited.add_audit`; atomic, verified). An input audit
+counts, `date` (UTC, ISO 8601), `audit: true`, and the empirical figures of the canary scores:
+`auroc` and `tpr_at_fpr` (dpbert's), `jax_privacy` (the AUROC, TPR at low FPR and epsilon lower
+bounds of jax-privacy's canary auditor, when the `crosscheck` extra is installed) and `empirical`,
+the label saying that none of them is a guarantee: `dpbert.privacy.audit.empirical_figures`).
+With `--card RELEASE_DIR` the result is also added to that release's privacy.json and model
+card as an audited figure, clearly labelled an empirical lower bound
+(`dpbert.release.audited.add_audit`; atomic, verified). An input audit
 also leaves `run/` (the pretraining run, marked: its `privacy.json` carries `audit: true` and
 so no longer parses as a releasable ledger, an `audit` record ends `metrics.jsonl`, its
 `release/` export is removed) and `store/` (the audit token store, whose manifest `source`
@@ -32,8 +36,8 @@ average, and the members' pseudo-log-likelihoods are indistinguishable (AUC 0.51
 
 Guarantees: canaries exist only in OUTPUT_DIR's audit store; the recipe's own token store is
 read, never written; a plain `dpbert pretrain` never sees canaries. Canary tokens and coin
-flips come from `dpbert.privacy.canaries.audit_keys(train.seed)`'s canary key, disjoint from
-the run key.
+flips come from the canary key of `dpbert.privacy.canaries.audit_keys(secret, kind)`, drawn from
+the audit's own secret and disjoint from every training key.
 """
 
 from __future__ import annotations
@@ -53,7 +57,8 @@ import numpy as np
 
 from dpbert.atomic import replace_dir, write_json
 from dpbert.privacy.accounting import PrivacyLedger
-from dpbert.privacy.audit import audit_scores
+from dpbert.privacy.audit import audit_scores, empirical_figures
+from dpbert.privacy.randomness import SECRET_FILE, run_secret
 from dpbert.privacy.canaries import (
     GradientCanaryConfig,
     audit_keys,
@@ -94,6 +99,12 @@ class AuditReport:
     score: str
     date: str
     audit: bool = True
+    # Empirical figures of the canary scores (`dpbert.privacy.audit.empirical_figures`): dpbert's ROC
+    # figures and, next to them, jax-privacy's auditor's. None of them is a privacy guarantee.
+    auroc: float | None = None
+    tpr_at_fpr: list[dict[str, float]] | None = None
+    jax_privacy: dict[str, Any] | None = None
+    empirical: str | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -138,6 +149,8 @@ def write_canary_store(base_dir: Path, out_dir: Path, canaries: np.ndarray) -> N
             "num_examples": train.num_examples + len(canaries),
             "num_documents": train.num_documents + len(canaries),
             "num_tokens": train.num_tokens + int(canaries.size),
+            # Each canary is a one-sequence document: the largest document is unchanged.
+            "mean_sequences_per_document": None,
         }
         data["splits"]["eval"] = dataclasses.asdict(evals)
         (tmp / MANIFEST).write_text(json.dumps(data, indent=2, sort_keys=True))
@@ -186,7 +199,13 @@ def _base_store(recipe: Recipe, output_dir: Path) -> Path:
     return base
 
 
-def _report(kind: str, recipe_path: str, claimed: float, result: Any, score: str) -> AuditReport:
+def _figures(scores: np.ndarray, included: np.ndarray, result: Any) -> dict[str, Any]:
+    """The empirical figures of the canary scores, at the audit's delta and confidence."""
+    return empirical_figures(scores, included, delta=result.delta, confidence=result.confidence)
+
+
+def _report(kind: str, recipe_path: str, claimed: float, result: Any, score: str,
+            figures: dict[str, Any] | None = None) -> AuditReport:
     return AuditReport(
         kind=kind, recipe=str(recipe_path), epsilon_claimed=claimed, delta=result.delta,
         epsilon_lower_bound=result.epsilon_lower_bound,
@@ -195,6 +214,7 @@ def _report(kind: str, recipe_path: str, claimed: float, result: Any, score: str
         num_guesses=result.num_guesses, num_correct=result.num_correct, k_plus=result.k_plus,
         k_minus=result.k_minus, num_candidates=result.num_candidates, score=score,
         date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        **(figures or {}),
     )
 
 
@@ -208,9 +228,12 @@ def run_audit(
     confidence: float = 0.95,
     progress: bool = True,
     log: Callable[[str], None] = print,
+    noise_seed_file: str | os.PathLike[str] | None = None,
 ) -> AuditReport:
     """Audit the recipe with `num_canaries` canaries of `kind` (default `DEFAULT_CANARIES[kind]`);
-    writes OUTPUT_DIR/audit.json."""
+    writes OUTPUT_DIR/audit.json. The canary draw and the audit's training run take keys from
+    the audit's own secret (OS CSPRNG, or `noise_seed_file`; kept in OUTPUT_DIR/checkpoints),
+    domain-separated from each other and from training ("audit/<kind>/...")."""
     if kind not in KINDS:
         raise ValueError(f"kind: expected one of {list(KINDS)}, got {kind!r}")
     num_canaries = DEFAULT_CANARIES[kind] if num_canaries is None else num_canaries
@@ -227,7 +250,8 @@ def run_audit(
 
     manifest = read_manifest(base)
     n_train = manifest.num_examples("train")
-    _, canary_key = audit_keys(recipe.train.seed)
+    secret = run_secret(out / "checkpoints" / SECRET_FILE, reuse=False, supplied=noise_seed_file)
+    _, canary_key = audit_keys(secret, kind)
     included = canary_inclusion(canary_key, num_canaries)
 
     if kind == "gradient":
@@ -236,14 +260,15 @@ def run_audit(
         plan = make_plan(recipe, n_train + int(included.sum()))
         config = GradientCanaryConfig(
             schedule=plan.schedule, num_canaries=num_canaries, num_other_examples=n_train,
-            clip_norm=recipe.privacy.clip_norm, delta=recipe.privacy.delta, seed=recipe.train.seed,
+            clip_norm=recipe.privacy.clip_norm, delta=recipe.privacy.delta, secret=secret,
             microbatch_size=recipe.train.microbatch_size, accountant=recipe.privacy.accountant,
             confidence=confidence,
         )
         log(f"audit: {num_canaries} gradient canaries ({int(included.sum())} in) through the real DP step, "
             f"{plan.schedule.total_steps} steps over {n_train} + canaries examples")
         result = run_gradient_canary_audit(config)
-        report = _report(kind, str(recipe_path), result.epsilon_claimed, result.audit, result.score)
+        report = _report(kind, str(recipe_path), result.epsilon_claimed, result.audit, result.score,
+                         _figures(result.scores, result.included, result.audit))
     else:
         from dpbert.train.pretrain import pretrain
 
@@ -260,8 +285,10 @@ def run_audit(
         write_json(run_dir / "AUDIT_RUN.json", {"audit": True, "kind": kind, "num_canaries": num_canaries,
                                                  "num_included": int(included.sum()), "store": str(store)})
         log(f"audit: {num_canaries} input canaries ({int(included.sum())} appended to the training set in {store})")
-        run = pretrain(recipe_path, run_dir, overrides=[*overrides, f"data.store={store}"], progress=progress,
-                       log=log)
+        # Every row, canaries (appended last) included: N is declared, not rounded down past them.
+        size = f"privacy.dataset_size={n_train + int(included.sum())}"
+        run = pretrain(recipe_path, run_dir, overrides=[*overrides, f"data.store={store}", size], progress=progress,
+                       log=log, noise_seed_file=noise_seed_file, mechanism=f"audit/{kind}/run")
         # An audit model trained on canaries must not be released: drop the export and make
         # its ledger unreadable as a release ledger.
         shutil.rmtree(run_dir / "release", ignore_errors=True)
@@ -271,12 +298,34 @@ def run_audit(
         scores = pseudo_log_likelihood(run_dir / "hf", canaries, mask_id=manifest.mask_id)
         delta = ledger.delta + ledger.truncation_delta(float(run.epsilon))
         bound = audit_scores(scores, included, delta=min(delta, 1.0), confidence=confidence)
-        report = _report(kind, str(recipe_path), float(run.epsilon), bound, "pseudo_log_likelihood")
+        report = _report(kind, str(recipe_path), float(run.epsilon), bound, "pseudo_log_likelihood",
+                         _figures(scores, included, bound))
         with open(run_dir / "metrics.jsonl", "a") as f:
             record = {**report.to_dict(), "kind": "audit", "canary_kind": kind, "step": run.steps_done}
             f.write(json.dumps(record, sort_keys=True) + "\n")
     write_json(out / "audit.json", report.to_dict())
     return report
+
+
+def _tprs(rows: Any) -> str:
+    return ", ".join(f"{r['tpr']:.4g} at {100 * r['fpr']:g}%" for r in rows or ())
+
+
+def _figure_rows(report: AuditReport) -> list[tuple[str, str]]:
+    """The empirical figures, dpbert's then jax-privacy's, each labelled as empirical."""
+    if report.auroc is None:
+        return []
+    rows = [("AUROC (empirical)", f"{report.auroc:.4g}"), ("TPR at low FPR (empirical)", _tprs(report.tpr_at_fpr))]
+    jp = report.jax_privacy or {}
+    if not jp.get("available"):
+        return [*rows, ("jax-privacy auditor", str(jp.get("note", "not run")))]
+    return [
+        *rows,
+        (f"jax-privacy {jp.get('version')} AUROC", f"{jp['auroc']:.4g} (empirical)"),
+        ("jax-privacy TPR at low FPR", f"{_tprs(jp['tpr_at_fpr'])} (empirical)"),
+        ("jax-privacy lower bounds", f"{jp['epsilon_lower_bound']:.4g} one-run, {jp['epsilon_lower_bound_fdp']:.4g} "
+                                     "f-DP one-run (empirical)"),
+    ]
 
 
 def format_table(report: AuditReport) -> str:
@@ -290,6 +339,7 @@ def format_table(report: AuditReport) -> str:
          f"{report.epsilon_lower_bound:.4g} (Bonferroni over {report.num_candidates} guess counts)"),
         ("max over guess counts", f"{report.epsilon_lower_bound_max_over_k:.4g} (as the paper reports; uncorrected)"),
         ("score", report.score),
+        *_figure_rows(report),
         ("date (UTC)", report.date),
     ]
     width = max(len(k) for k, _ in rows)
@@ -301,6 +351,7 @@ def audit_main(args: Any) -> int:
     report = run_audit(
         args.recipe, args.output_dir, num_canaries=args.canaries, kind=args.kind, overrides=args.set or (),
         confidence=args.confidence, progress=not args.json, log=(lambda s: None) if args.json else print,
+        noise_seed_file=args.noise_seed_file,
     )
     print(json.dumps(report.to_dict(), indent=2, sort_keys=True) if args.json else format_table(report))
     if args.card:

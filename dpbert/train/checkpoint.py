@@ -10,7 +10,13 @@ Guarantees:
 - a checkpoint is only accepted when its `meta` carries this module's format tag and the
   arrays match the expected tree; anything else (a corrupted, partial or foreign folder)
   raises `ValueError` naming the path;
-- saves are synchronous: when `save` returns, the checkpoint is on disk.
+- saves are synchronous: when `save` returns, the checkpoint is on disk;
+- layouts: checkpoints are written with the encoder's layers stacked (one array per parameter
+  of the scanned layer body, leading layer axis: `FORMAT` .../2). A checkpoint written before
+  the scanned layout (`LEGACY_FORMAT` .../1: one array per parameter per layer) is restored by
+  reading its per-layer arrays and stacking them, params and optimizer state alike (the values
+  are exactly the saved ones); if that fails, `ValueError` names the checkpoint and says it was
+  written before the scanned layout.
 """
 
 from __future__ import annotations
@@ -21,10 +27,20 @@ from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
+from flax import nnx
 
+from dpbert.model.functional import stack_layers, unstack_layers
 from dpbert.train.state import TrainState, ledger_text
 
-FORMAT = "dpbert-pretrain-checkpoint/1"
+FORMAT = "dpbert-pretrain-checkpoint/2"
+# Written before the encoder's layers were stacked for the scan: per-layer arrays.
+LEGACY_FORMAT = "dpbert-pretrain-checkpoint/1"
+
+
+def _map_states(tree: Any, fn: Any) -> Any:
+    """`fn` applied to every nnx.State in `tree` (params, and each optimizer moment shaped like them)."""
+    is_state = lambda x: isinstance(x, nnx.State)  # noqa: E731
+    return jax.tree_util.tree_map(lambda x: fn(x) if is_state(x) else x, tree, is_leaf=is_state)
 
 
 class CheckpointStore:
@@ -75,8 +91,9 @@ class CheckpointStore:
             meta = self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
         except Exception as err:  # Orbax raises many types for unreadable folders; name the path.
             raise ValueError(f"checkpoint {path}: cannot read its metadata ({type(err).__name__}: {err})") from None
-        if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        if not isinstance(meta, dict) or meta.get("format") not in (FORMAT, LEGACY_FORMAT):
             raise ValueError(f"checkpoint {path}: not a dpbert pretraining checkpoint (expected format {FORMAT!r})")
+        legacy = meta["format"] == LEGACY_FORMAT
         if meta.get("step") != step:
             raise ValueError(f"checkpoint {path}: metadata says step {meta.get('step')!r}, folder says {step}")
         saved = meta.get("fingerprints", {})
@@ -87,18 +104,40 @@ class CheckpointStore:
                     f"({saved.get(key)!r}, now {value!r}); resume with the run's own recipe and data"
                 )
         abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, {"params": like.params, "opt_state": like.opt_state})
-        try:
-            arrays = self._manager.restore(
-                step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract))
-            )["state"]
-        except Exception as err:  # same reason as above
-            raise ValueError(f"checkpoint {path}: cannot restore its arrays ({type(err).__name__}: {err})") from None
+        if legacy:
+            arrays = self._restore_legacy(step, path, abstract)
+        else:
+            try:
+                arrays = self._manager.restore(
+                    step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract))
+                )["state"]
+            except Exception as err:  # same reason as above
+                raise ValueError(f"checkpoint {path}: cannot restore its arrays ({type(err).__name__}: {err})") from None
         return TrainState(
             params=arrays["params"],
             opt_state=arrays["opt_state"],
             step=step,
             ledger_json=ledger_text(meta["ledger"]),
         )
+
+    def _restore_legacy(self, step: int, path: Path, abstract: Any) -> Any:
+        """A checkpoint of the per-layer layout: restored as per-layer arrays, then stacked and
+        placed as `abstract` says (its shardings)."""
+        try:
+            per_layer = _map_states(abstract, unstack_layers)
+            arrays = self._manager.restore(
+                step, args=ocp.args.Composite(state=ocp.args.StandardRestore(per_layer))
+            )["state"]
+            shardings = jax.tree.map(lambda x: getattr(x, "sharding", None), abstract)
+            placed = all(s is not None for s in jax.tree.leaves(shardings, is_leaf=lambda s: s is None))
+            stack = lambda a: _map_states(a, stack_layers)  # noqa: E731
+            return jax.jit(stack, out_shardings=shardings)(arrays) if placed else jax.jit(stack)(arrays)
+        except Exception as err:  # Orbax raises many types; name the checkpoint and the layout
+            raise ValueError(
+                f"checkpoint {path}: written before the scanned-layer layout (format {LEGACY_FORMAT!r}, one "
+                f"array per encoder layer) and its arrays could not be stacked into this model's layout "
+                f"({type(err).__name__}: {err}); resume it with a dpbert release before the scan, or start anew"
+            ) from None
 
     def close(self) -> None:
         self._manager.close()
@@ -107,7 +146,8 @@ class CheckpointStore:
 def read_meta(path: str | Path) -> dict[str, Any]:
     """The JSON record of one checkpoint folder (for inspection tools)."""
     path = Path(path)
-    files = sorted((path / "meta").glob("*"))
+    # Orbax writes the record as meta/metadata, next to a commit_success.txt marker.
+    files = [f for f in sorted((path / "meta").glob("*")) if f.suffix != ".txt"]
     if not files:
         raise ValueError(f"checkpoint {path}: no meta record")
     return json.loads(files[0].read_text())

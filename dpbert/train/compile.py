@@ -20,7 +20,11 @@ What it measures (all from XLA, per device):
   same FLOPs), so the step's count is one micro-batch plus what runs once per step; what
   runs once per step (the optimizer update, and the noise draw of a DP step: one Gaussian
   per parameter, whose unrolled Threefry rounds XLA counts in full) is compiled alone to
-  separate the two. FLOPs per example = (step - once per step) / microbatch_size; FLOPs per
+  separate the two. The encoder's layers are a loop too (one scanned layer body): the count
+  per micro-batch comes from the same step with 1 and 2 encoder layers, unrolled
+  (`dpbert.model.bert.unrolled_layers`), at one micro-batch per device, extrapolated
+  linearly to the model's depth (exact: the layers are identical); these two small compiles
+  are not in `compile_seconds`. FLOPs per example = (step - once per step) / microbatch_size; FLOPs per
   step = physical batch x FLOPs per example + devices x once per step
   (`update_flops_per_device`). Padding rows cost as much as real ones and are counted.
   Collectives are not FLOPs. `analytic_flops_per_example` is an independent check.
@@ -44,6 +48,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
+from dpbert.model.bert import unrolled_layers
 from dpbert.privacy import randomness
 from dpbert.privacy.noise import privatize
 from dpbert.train.mesh import batch_sharding, bytes_per_device, replicated
@@ -184,6 +189,7 @@ def compile_step(
         make_optimizer,
         make_step,
         max_predictions,
+        run_keys,
     )
 
     n_stages = len(recipe.schedule)
@@ -195,52 +201,71 @@ def compile_step(
     mb = recipe.train.microbatch_size
     physical = _physical(recipe, stage_index, devices)
 
-    config = bert_config(recipe)
-    optimizer = make_optimizer(recipe)
-    abstract = abstract_state(recipe, config, optimizer, mesh)
-    params_sh, opt_sh = abstract.shardings
-    num_params = sum(math.prod(x.shape) for x in jax.tree_util.tree_leaves(abstract.params))
+    r = recipe
 
-    masker = make_masker(vocab_size=config.vocab_size, mask_prob=recipe.data.mask_prob,
-                         num_predictions=max_predictions(recipe.data.seq_len, recipe.data.mask_prob),
-                         **_PLACEHOLDER_IDS)
-    loss_fn = make_mlm_loss(recipe, abstract.graphdef, masker, jax.random.key(recipe.train.seed))
-    key_sds = jax.eval_shape(lambda: jax.random.key(0))
-
-    def batch_args(rows: int) -> tuple[Any, Any]:
+    def compile_pair(rows: int, layers: int | None = None) -> tuple[Any, Any, Any, Any]:
+        """(compiled step at `rows` physical rows, compiled update, abstract state, shardings), with
+        the recipe's model or the same model with `layers` encoder layers."""
+        config = bert_config(r)
+        if layers is not None:
+            config.num_hidden_layers = layers
+        optimizer = make_optimizer(r)
+        abstract = abstract_state(r, config, optimizer, mesh)
+        params_sh, opt_sh = abstract.shardings
+        masker = make_masker(vocab_size=config.vocab_size, mask_prob=r.data.mask_prob,
+                             num_predictions=max_predictions(r.data.seq_len, r.data.mask_prob),
+                             **_PLACEHOLDER_IDS)
+        # Keys typed as the trainer's (Threefry-4x32 from a secret when private); a throwaway secret,
+        # since compiling depends on the key's type only.
+        masking_key, stage_keys = run_keys(r, randomness.draw_secret() if r.privacy.enabled else None, "pretrain")
+        loss_fn = make_mlm_loss(r, abstract.graphdef, masker, masking_key)
+        key_sds = jax.eval_shape(lambda: stage_keys[0])
         sharded = batch_sharding(mesh)
         batch = {
-            "input_ids": jax.ShapeDtypeStruct((rows, recipe.data.seq_len), jnp.int32, sharding=sharded),
+            "input_ids": jax.ShapeDtypeStruct((rows, r.data.seq_len), jnp.int32, sharding=sharded),
             "index": jax.ShapeDtypeStruct((rows,), jnp.int32, sharding=sharded),
             "step": jax.ShapeDtypeStruct((rows,), jnp.int32, sharding=sharded),
         }
-        return batch, jax.ShapeDtypeStruct((rows,), jnp.bool_, sharding=sharded)
+        padding = jax.ShapeDtypeStruct((rows,), jnp.bool_, sharding=sharded)
+        step = make_step(r, loss_fn, optimizer, noise_multiplier=1.0, expected_batch_size=stage.expected_batch_size,
+                         mesh=mesh, shardings=abstract.shardings)
+        args_state = (abstract.params, abstract.opt_state)
+        key_arg = jax.ShapeDtypeStruct(key_sds.shape, key_sds.dtype, sharding=replicated(mesh))
+        full = step.lower(*args_state, batch, padding, key_arg).compile()
 
-    step = make_step(recipe, loss_fn, optimizer, noise_multiplier=1.0, expected_batch_size=stage.expected_batch_size,
-                     mesh=mesh, shardings=abstract.shardings)
-    args_state = (abstract.params, abstract.opt_state)
-    key_arg = jax.ShapeDtypeStruct(key_sds.shape, key_sds.dtype, sharding=replicated(mesh))
+        def update(params: Any, opt_state: Any, grads: Any, key: jax.Array) -> tuple[Any, Any]:
+            import optax
+
+            if r.privacy.enabled:
+                grads = privatize(grads, randomness.noise_key(key), clip_norm=r.privacy.clip_norm,
+                                  noise_multiplier=1.0, expected_batch_size=stage.expected_batch_size)
+            updates, opt_state = optimizer.update(grads, opt_state, params)
+            return optax.apply_updates(params, updates), opt_state
+
+        update_c = jax.jit(
+            update, in_shardings=(params_sh, opt_sh, params_sh, replicated(mesh)), out_shardings=(params_sh, opt_sh)
+        ).lower(args_state[0], args_state[1], args_state[0], key_arg).compile()
+        return full, update_c, abstract, (params_sh, opt_sh)
 
     started = time.perf_counter()
     log(f"compiling the full step: physical batch {physical:,} on {devices} devices ...")
-    full = step.lower(*args_state, *batch_args(physical), key_arg).compile()
-    memory = full.memory_analysis()
-
-    def update(params: Any, opt_state: Any, grads: Any, key: jax.Array) -> tuple[Any, Any]:
-        import optax
-
-        if recipe.privacy.enabled:
-            grads = privatize(grads, randomness.noise_key(key), clip_norm=recipe.privacy.clip_norm,
-                              noise_multiplier=1.0, expected_batch_size=stage.expected_batch_size)
-        updates, opt_state = optimizer.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state
-
-    update_c = jax.jit(
-        update, in_shardings=(params_sh, opt_sh, params_sh, replicated(mesh)), out_shardings=(params_sh, opt_sh)
-    ).lower(args_state[0], args_state[1], args_state[0], key_arg).compile()
+    full, update_c, abstract, (params_sh, opt_sh) = compile_pair(physical)
     compile_seconds = time.perf_counter() - started
+    memory = full.memory_analysis()
+    num_params = sum(math.prod(x.shape) for x in jax.tree_util.tree_leaves(abstract.params))
     update_flops = _flops(update_c)
-    per_example = max(_flops(full) - update_flops, 0.0) / mb
+    # The encoder's layers run under a scan, whose body XLA's cost analysis counts once (like the
+    # micro-batch loop): per-example FLOPs come from the same step with 1 and 2 layers, unrolled,
+    # at one micro-batch per device (small compiles, not counted in compile_seconds):
+    # f(n) = step - update, per example = (f(1) + (L - 1) (f(2) - f(1))) / micro-batch.
+    log("counting FLOPs: the step with 1 and 2 encoder layers, unrolled, one micro-batch per device ...")
+    layer_flops = []
+    for n in (1, 2):
+        with unrolled_layers():
+            step_n, update_n, _, _ = compile_pair(devices * mb, layers=n)
+        layer_flops.append(_flops(step_n) - _flops(update_n))
+    depth = bert_config(recipe).num_hidden_layers
+    per_example = max(layer_flops[0] + (depth - 1) * (layer_flops[1] - layer_flops[0]), 0.0) / mb
 
     tgt = recipe.target
     peak = peak_tflops_per_device if peak_tflops_per_device is not None else tgt.peak_tflops_per_device

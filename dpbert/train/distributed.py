@@ -71,6 +71,7 @@ def local_batch(
     expected_batch_size: int,
     physical_batch_size: int,
     padded_batch_size: int | None = None,
+    dataset_size: int | None = None,
 ) -> tuple[PoissonBatch, np.ndarray]:
     """This process's share of step `step`'s Poisson sample and its rows of `store`
     (anything indexable by an index array, e.g. a `TokenStore`); only those rows are read.
@@ -79,7 +80,8 @@ def local_batch(
     then padded with padding rows (index 0, `is_padding` True) to `padded_batch_size`
     (default: no padding), the rows the compiled step takes; the padded size must divide
     evenly over the processes. Padding never changes which examples are sampled, so the
-    sample, the ledger and the update do not depend on the number of devices or processes."""
+    sample, the ledger and the update do not depend on the number of devices or processes.
+    `dataset_size` (default: all of `store`) samples from the first that many rows only."""
     padded = physical_batch_size if padded_batch_size is None else padded_batch_size
     count, index = jax.process_count(), jax.process_index()
     if padded < physical_batch_size or padded % count:
@@ -87,7 +89,10 @@ def local_batch(
             f"padded_batch_size={padded} must be >= physical_batch_size={physical_batch_size} and "
             f"divisible by the {count} processes"
         )
-    full = poisson_sample(run_key, step, len(store), expected_batch_size, physical_batch_size)
+    n = len(store) if dataset_size is None else dataset_size
+    if not 1 <= n <= len(store):
+        raise ValueError(f"dataset_size={dataset_size} must be in [1, {len(store)}] (the rows of the store)")
+    full = poisson_sample(run_key, step, n, expected_batch_size, physical_batch_size)
     indices = np.zeros(padded, dtype=full.indices.dtype)
     indices[:physical_batch_size] = full.indices
     is_padding = np.ones(padded, dtype=bool)

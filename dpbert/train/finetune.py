@@ -11,7 +11,7 @@
 - `OUT/model/`: a dpbert release (`dpbert.release.write_release`) of the fine-tuned
   `BertForSequenceClassification` (Hugging Face names, loadable by transformers'
   `AutoModelForSequenceClassification` with the task's `id2label`), its tokenizer, and
-  `privacy.json` + model card (`dpbert/release/templates/bert_glue.md.j2`, `pipeline_tag: text-classification`,
+  `privacy.json` + model card (`model_cards/bert_glue.md.j2`, `pipeline_tag: text-classification`,
   `model-index` with the dev metrics) that `dpbert verify OUT/model` checks.
 
 Guarantees of the fine-tuned model, each for its own data, never composed:
@@ -67,6 +67,7 @@ from dpbert.data import glue
 from dpbert.data.glue_metrics import compute_metrics, predictions_from_logits
 from dpbert.model import BertForSequenceClassification
 from dpbert.model.functional import classifier_logits
+from dpbert.privacy.randomness import SECRET_FILE, mechanism_key, run_secret
 from dpbert.train.recipe import apply_overrides, read_yaml
 
 Trainable = Literal["all", "bias"]
@@ -303,6 +304,7 @@ class SourcePrivacy:
     guarantees: tuple[Any, ...]  # dpbert.release.Guarantee
     vocabulary_origin: str
     vocabulary_covered: bool
+    vocabulary_learned_from_private_data: bool | None = None
 
 
 def source_privacy(model_dir: Path, model: str) -> SourcePrivacy:
@@ -331,6 +333,7 @@ def source_privacy(model_dir: Path, model: str) -> SourcePrivacy:
         guarantees=tuple(guarantees_from_json(data, str(model_dir / PRIVACY_FILE))),
         vocabulary_origin=str(vocabulary.get("origin") or "Its origin is not recorded"),
         vocabulary_covered=vocabulary.get("covered") is True,
+        vocabulary_learned_from_private_data=vocabulary.get("learned_from_private_data"),
     )
 
 
@@ -355,25 +358,34 @@ def _export(
     n: int,
     plan: DPPlan | None,
     dev: Mapping[str, Mapping[str, float]],
+    randomness: str | None,
+    trained_parameters: int,
 ) -> Any:
-    """Write OUT/model with `write_release`; returns its `ReleaseMetadata`."""
+    """Write OUT/model with `write_release`; returns its `ReleaseMetadata`. `randomness`: where
+    the DP secret came from (None when non-private); `trained_parameters`: the noised coordinates."""
     from dpbert.release import CardInfo, Guarantee, ReleaseMetadata, write_release
+    from dpbert.release.metadata import noise_record
 
     data = f"GLUE {task.glue_dir} training set ({n} examples)"
     scope = _task_scope(task)
     task_guarantee = (
-        Guarantee.from_ledger(scope=scope, data=data, ledger=plan.ledger.to_dict())
+        Guarantee.from_ledger(
+            scope=scope, data=data, ledger=plan.ledger.to_dict(), randomness={"source": randomness},
+            noise=noise_record(plan.ledger.to_dict(), coordinates=trained_parameters),
+        )
         if plan is not None
         else Guarantee.non_private(scope=scope, data=data)
     )
     vocabulary_origin, vocabulary_covered = source.vocabulary_origin, source.vocabulary_covered
+    learned = source.vocabulary_learned_from_private_data
     if config.tokenizer is not None:
         vocabulary_origin = "A tokenizer given for fine-tuning (config.tokenizer); its origin is not recorded"
-        vocabulary_covered = False
+        vocabulary_covered, learned = False, None
     meta = ReleaseMetadata(
         guarantees=(*source.guarantees, task_guarantee),
         vocabulary_origin=vocabulary_origin,
         vocabulary_covered=vocabulary_covered,
+        vocabulary_learned_from_private_data=learned,
         recipe_name="finetune.yaml",
         recipe_content=yaml.safe_dump(dataclasses.asdict(config), sort_keys=False),
     )
@@ -615,9 +627,14 @@ def finetune(
     data: str | os.PathLike[str] = glue.HUB_DATASET_ID,
     config: FinetuneConfig = FinetuneConfig(),
     log: Callable[[str], None] = print,
+    noise_seed_file: str | os.PathLike[str] | None = None,
 ) -> dict[str, Any]:
     """Fine-tune `model` (a BERT folder, or a Hub id resolvable by `dpbert.model`) on one GLUE
-    task read from `data` (a task folder or a Hub dataset id). Returns what `metrics.json` holds."""
+    task read from `data` (a task folder or a Hub dataset id). Returns what `metrics.json` holds.
+
+    With `config.dp`, the sampling, dropout and noise derive from a secret drawn from the OS
+    CSPRNG (or read from `noise_seed_file`), kept in OUT/checkpoints/noise_secret (0600) and
+    domain-separated as "finetune/<task>": never from the published `config.seed`."""
     task = task if isinstance(task, glue.GlueTask) else glue.get_task(task)
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -650,7 +667,14 @@ def finetune(
 
     evals_path = out / "evals.jsonl"
     evals_path.unlink(missing_ok=True)
-    run_key = jax.random.key(config.seed)
+    if config.dp:
+        secret = run_secret(out / "checkpoints" / SECRET_FILE, reuse=False, supplied=noise_seed_file)
+        write_json(out / "randomness.json", {"source": secret.source})
+        run_key = mechanism_key(secret, f"finetune/{task.name}")
+    elif noise_seed_file is not None:
+        raise ValueError("--noise-seed-file: only meaningful with --dp (a non-private run has no noise)")
+    else:
+        run_key = jax.random.key(config.seed)
 
     def evaluate_all(epoch: float, step: int, current: nnx.State) -> dict[str, dict[str, float]]:
         results = {}
@@ -679,7 +703,8 @@ def finetune(
     final = evaluate_all(float(optim.epochs), steps, trainable)
     nnx.update(net, nnx.merge_state(trainable, frozen))
     meta = _export(
-        out, net=net, tokenizer=tokenizer, task=task, model=model, config=config, source=source, n=n, plan=plan, dev=final
+        out, net=net, tokenizer=tokenizer, task=task, model=model, config=config, source=source, n=n, plan=plan,
+        dev=final, randomness=secret.source if config.dp else None, trained_parameters=n_trained,
     )  # fmt: skip
 
     result = {
@@ -710,11 +735,13 @@ def finetune_all(
     glue_root: str | os.PathLike[str],
     config: FinetuneConfig = FinetuneConfig(),
     log: Callable[[str], None] = print,
+    noise_seed_file: str | os.PathLike[str] | None = None,
 ) -> dict[str, dict[str, Any]]:
     """Run every task found under a GLUE root folder into OUT/<task>/ and log one table."""
     results = {}
     for name, folder in glue.find_tasks(glue_root).items():
-        results[name] = finetune(task=name, model=model, output_dir=Path(output_dir) / name, data=folder, config=config, log=log)
+        results[name] = finetune(task=name, model=model, output_dir=Path(output_dir) / name, data=folder, config=config,
+                                 log=log, noise_seed_file=noise_seed_file)
     log(summary_table(results.values()))
     return results
 
@@ -757,11 +784,12 @@ def main(args: Any) -> int:
     if args.task == "all":
         if args.data_dir is None:
             raise ValueError("--data-dir: --task all needs a GLUE root folder (CoLA/, SST-2/, ...)")
-        finetune_all(model=args.model, output_dir=args.output_dir, glue_root=args.data_dir, config=config)
+        finetune_all(model=args.model, output_dir=args.output_dir, glue_root=args.data_dir, config=config,
+                     noise_seed_file=args.noise_seed_file)
     else:
         result = finetune(
             task=args.task, model=args.model, output_dir=args.output_dir,
-            data=args.data_dir or glue.HUB_DATASET_ID, config=config,
+            data=args.data_dir or glue.HUB_DATASET_ID, config=config, noise_seed_file=args.noise_seed_file,
         )  # fmt: skip
         print(summary_table([result]))
     return 0

@@ -154,9 +154,12 @@ class PrivacyConfig:
     target_epsilon: float | None = None
     noise_multiplier: float | None = None
     calibrate: Literal["shared", "per_stage"] = "shared"
+    dataset_size: int | None = None
 
     def __post_init__(self) -> None:
         _check(self.clip_norm > 0, "clip_norm", "a positive number", self.clip_norm)
+        _check(self.dataset_size is None or self.dataset_size >= 1, "dataset_size",
+               "a positive integer (the public number of training sequences) or null", self.dataset_size)
         _check(0.0 < self.delta < 1.0, "delta", "a probability in (0, 1)", self.delta)
         _check(
             self.target_epsilon is None or self.target_epsilon > 0,

@@ -1,0 +1,200 @@
+"""Batch-size planning at a fixed privacy budget: the paper's insight as a table.
+
+Anil et al. (2021) train BERT with mega-batches because, at a fixed epsilon and a fixed number
+of examples processed, the noise that DP-SGD adds to the *averaged* gradient, sigma * C / B per
+coordinate, falls as the expected batch B grows: the calibrated noise multiplier sigma grows
+much more slowly than B. The price is fewer steps (T = examples / B).
+
+`plan_batch_sizes(...)` calibrates, for each candidate B, one DP-SGD stage of T steps on N
+examples to the target (epsilon, delta) with `dpbert.privacy.accounting.calibrate_noise_multiplier`,
+the very function a training run's plan calls (`dpbert.train.pretrain.make_plan`), so a
+recipe with the same N, B, T, delta and accountant trains with exactly the sigma shown.
+
+Columns: sigma (noise multiplier), sigma/B (noise std of the averaged gradient per unit of
+clip norm), sigma/sqrt(B) (the noise-to-signal ratio of the whole run at a fixed example
+budget, up to a constant: T steps of std sigma C / B accumulate sigma C sqrt(T) / B =
+sigma C / sqrt(B * examples)), steps, epochs and the sampling rate q = B / N.
+
+Recommendation: the largest candidate that still leaves at least `min_steps` steps, unless a
+smaller one is already past the point of diminishing returns (doubling B would cut
+sigma/sqrt(B) by less than `min_gain`): past it the run only loses steps.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from typing import Any
+
+from dpbert.privacy.accounting import calibrate_noise_multiplier, compute_epsilon
+from dpbert.privacy.schedule import BatchSchedule, Stage
+
+DEFAULT_BATCH_SIZES = (64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+# Fewer steps than this and the optimizer, not the noise, limits the run: measured on the tiny
+# recipe (recipes/sweep_tiny.yaml), accuracy stopped improving below ~30 steps.
+DEFAULT_MIN_STEPS = 30
+# Doubling B must cut sigma/sqrt(B) by at least this factor to be worth the halved steps.
+DEFAULT_MIN_GAIN = 1.15
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PlanRow:
+    """One candidate expected batch size, calibrated to the target."""
+
+    expected_batch_size: int
+    steps: int
+    examples: int
+    epochs: float
+    sampling_rate: float
+    noise_multiplier: float
+    epsilon: float
+    noise_over_batch: float  # sigma / B: noise std of the averaged gradient, per unit of clip norm
+    noise_over_sqrt_batch: float  # sigma / sqrt(B): noise-to-signal at a fixed example budget (relative)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class BatchPlan:
+    """The table and the recommendation, with what they were computed for."""
+
+    dataset_size: int
+    target_epsilon: float
+    delta: float
+    accountant: str
+    budget: str  # "examples" (a fixed example budget) or "steps" (a fixed step count)
+    rows: tuple[PlanRow, ...]
+    recommended: int | None  # an expected batch size of `rows`, or None when none qualifies
+    reason: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "dataset_size": self.dataset_size, "target_epsilon": self.target_epsilon, "delta": self.delta,
+            "accountant": self.accountant, "budget": self.budget, "recommended": self.recommended,
+            "reason": self.reason, "rows": [r.to_dict() for r in self.rows],
+        }
+
+
+def calibrated_stage(*, dataset_size: int, expected_batch_size: int, steps: int, target_epsilon: float, delta: float,
+                     accountant: str) -> Stage:
+    """One stage of `steps` steps at `expected_batch_size`, its noise multiplier calibrated to the
+    target exactly as a training run calibrates a one-stage schedule (`calibrate: shared`)."""
+    base = BatchSchedule(stages=(Stage(steps=steps, expected_batch_size=expected_batch_size, noise_multiplier=1.0),))
+    schedule = calibrate_noise_multiplier(base, dataset_size=dataset_size, target_epsilon=target_epsilon, delta=delta,
+                                          accountant=accountant)
+    return schedule.stages[0]
+
+
+def steps_for(examples: int, expected_batch_size: int) -> int:
+    """Steps that process `examples` examples in expectation at `expected_batch_size` (rounded, >= 1)."""
+    return max(1, round(examples / expected_batch_size))
+
+
+def plan_batch_sizes(
+    *,
+    dataset_size: int,
+    target_epsilon: float,
+    delta: float,
+    examples: int | None = None,
+    steps: int | None = None,
+    batch_sizes: Sequence[int] = DEFAULT_BATCH_SIZES,
+    accountant: str = "rdp",
+    min_steps: int = DEFAULT_MIN_STEPS,
+    min_gain: float = DEFAULT_MIN_GAIN,
+) -> BatchPlan:
+    """Calibrate each candidate batch size (see the module docstring). Give `examples` (a fixed
+    budget of examples processed: steps = examples / B) or `steps` (a fixed step count: examples
+    = steps * B). Candidates larger than `dataset_size` are left out."""
+    if (examples is None) == (steps is None):
+        raise ValueError("give exactly one of examples (an example budget) or steps (a step count)")
+    if examples is not None and examples < 1:
+        raise ValueError(f"examples must be >= 1, got {examples!r}")
+    if steps is not None and steps < 1:
+        raise ValueError(f"steps must be >= 1, got {steps!r}")
+    if dataset_size < 1:
+        raise ValueError(f"dataset_size must be >= 1, got {dataset_size!r}")
+    if min_steps < 1 or min_gain <= 1:
+        raise ValueError(f"min_steps must be >= 1 and min_gain > 1, got {min_steps!r} and {min_gain!r}")
+    sizes = sorted({int(b) for b in batch_sizes if 1 <= int(b) <= dataset_size})
+    if not sizes:
+        raise ValueError(f"batch_sizes: no candidate in [1, dataset_size={dataset_size}], got {list(batch_sizes)}")
+    rows = []
+    for b in sizes:
+        t = steps if steps is not None else steps_for(examples, b)
+        stage = calibrated_stage(dataset_size=dataset_size, expected_batch_size=b, steps=t,
+                                 target_epsilon=target_epsilon, delta=delta, accountant=accountant)
+        sigma = stage.noise_multiplier
+        eps = compute_epsilon(BatchSchedule(stages=(stage,)), dataset_size=dataset_size, delta=delta,
+                              accountant=accountant)
+        rows.append(PlanRow(
+            expected_batch_size=b, steps=t, examples=t * b, epochs=t * b / dataset_size,
+            sampling_rate=b / dataset_size, noise_multiplier=sigma, epsilon=eps,
+            noise_over_batch=sigma / b, noise_over_sqrt_batch=sigma / math.sqrt(b),
+        ))
+    recommended, reason = _recommend(rows, min_steps=min_steps, min_gain=min_gain)
+    return BatchPlan(dataset_size=dataset_size, target_epsilon=target_epsilon, delta=delta, accountant=accountant,
+                     budget="examples" if examples is not None else "steps", rows=tuple(rows),
+                     recommended=recommended, reason=reason)
+
+
+def _recommend(rows: Sequence[PlanRow], *, min_steps: int, min_gain: float) -> tuple[int | None, str]:
+    allowed = [r for r in rows if r.steps >= min_steps]
+    if not allowed:
+        return None, f"no candidate leaves {min_steps} steps: raise the example budget or lower min_steps"
+    for row, bigger in zip(allowed, allowed[1:]):
+        ratio = bigger.expected_batch_size / row.expected_batch_size
+        # Gain per doubling of B in noise-to-signal at a fixed example budget.
+        gain = (row.noise_over_sqrt_batch / bigger.noise_over_sqrt_batch) ** (1 / math.log2(ratio))
+        if gain < min_gain:
+            return row.expected_batch_size, (
+                f"doubling the batch beyond {row.expected_batch_size} cuts sigma/sqrt(B) by only {gain:.2f}x "
+                f"(< {min_gain:g}x) while halving the steps")
+    best = allowed[-1]
+    return best.expected_batch_size, (
+        f"the largest batch that leaves at least {min_steps} steps ({best.steps}); sigma/B is "
+        f"{allowed[0].noise_over_batch / best.noise_over_batch:.0f}x smaller than at {allowed[0].expected_batch_size}")
+
+
+def quiet_accountant_warnings() -> None:
+    """Hide dp_accounting's RDP warnings ("failed to converge ... Excluding this order"): an
+    order it cannot evaluate is left out of the minimum over orders, which can only make the
+    reported epsilon larger (conservative); printed once per order and calibration probe, they
+    bury the output of a command-line run."""
+    import logging
+
+    logging.getLogger("absl").setLevel(logging.ERROR)
+
+
+def format_plan(plan: BatchPlan) -> str:
+    """The plan as a fixed-width table with the recommendation under it."""
+    lines = [
+        f"dpbert plan: N = {plan.dataset_size:,}, epsilon {plan.target_epsilon:g} at delta {plan.delta:g} "
+        f"({plan.accountant}), fixed {plan.budget}",
+        f"{'batch B':>9} {'q = B/N':>9} {'steps':>7} {'epochs':>7} {'sigma':>8} {'sigma/B':>10} {'sigma/sqrt(B)':>14}",
+    ]
+    for r in plan.rows:
+        mark = "  <- recommended" if r.expected_batch_size == plan.recommended else ""
+        lines.append(
+            f"{r.expected_batch_size:>9,} {r.sampling_rate:>9.4f} {r.steps:>7,} {r.epochs:>7.2f} "
+            f"{r.noise_multiplier:>8.4f} {r.noise_over_batch:>10.2e} {r.noise_over_sqrt_batch:>14.4f}{mark}")
+    lines.append(f"recommended expected batch size: {plan.recommended if plan.recommended else 'none'} ({plan.reason})")
+    return "\n".join(lines)
+
+
+def plan_main(args: Any) -> int:
+    """`dpbert plan` entry point (argparse namespace from dpbert.cli)."""
+    import json
+
+    quiet_accountant_warnings()
+
+    sizes = DEFAULT_BATCH_SIZES if args.batch_sizes is None else tuple(
+        int(b) for b in str(args.batch_sizes).split(",") if b.strip())
+    plan = plan_batch_sizes(
+        dataset_size=args.dataset_size, target_epsilon=args.target_epsilon, delta=args.delta,
+        examples=args.examples, steps=args.steps, batch_sizes=sizes, accountant=args.accountant,
+        min_steps=args.min_steps, min_gain=args.min_gain,
+    )
+    print(json.dumps(plan.to_dict()) if args.json else format_plan(plan))
+    return 0

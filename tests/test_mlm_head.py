@@ -1,0 +1,99 @@
+"""The masked-only MLM head (logits at `max_predictions` gathered positions) gives the loss and
+the gradients of the full head (logits at every position) restricted to the masked positions."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from transformers import BertConfig
+
+from dpbert.model import functional
+from dpbert.model.bert import BertForMaskedLM
+from dpbert.privacy.clipping import clipped_grad_sum
+from dpbert.privacy.ghost_clipping import ghost_clipped_grad_sum
+from dpbert.train.pretrain import MaskedMLMGhostLoss, make_loss_fn, make_masker, max_predictions
+
+VOCAB, SEQ = 97, 24
+SPECIALS = (0, 1, 2, 3, 4)  # [PAD] [UNK] [CLS] [SEP] [MASK]
+
+
+@pytest.fixture(scope="module")
+def setup():
+    config = BertConfig(vocab_size=VOCAB, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+                        intermediate_size=32, max_position_embeddings=SEQ, hidden_dropout_prob=0.1,
+                        attention_probs_dropout_prob=0.1)
+    graphdef, params = functional.split_params(BertForMaskedLM(config, rngs=nnx.Rngs(0)))
+    masker = make_masker(vocab_size=VOCAB, mask_token_id=4, special_token_ids=SPECIALS, pad_id=0, mask_prob=0.15,
+                         num_predictions=max_predictions(SEQ, 0.15))
+    rng = np.random.default_rng(0)
+    ids = rng.integers(5, VOCAB, (6, SEQ)).astype(np.int32)
+    ids[:, 0], ids[:, -1] = 2, 3
+    ids[1, 15:] = 0  # a padded example
+    ids[1, 14] = 3
+    batch = {"input_ids": jnp.asarray(ids), "index": jnp.arange(6, dtype=jnp.int32),
+             "step": jnp.full((6,), 3, jnp.int32)}
+    return graphdef, params, masker, batch
+
+
+def full_head_loss(graphdef, masker, run_key):
+    """The reference: logits at EVERY position, cross-entropy weighted by the mask's label weights."""
+
+    def loss(params, example, rng):
+        ids = example["input_ids"]
+        from dpbert.data.masking import example_mask_key, mask_tokens
+
+        masked, labels, weights = mask_tokens(example_mask_key(run_key, example["step"], example["index"]), ids,
+                                              vocab_size=VOCAB, mask_token_id=4, special_token_ids=SPECIALS,
+                                              mask_prob=0.15)
+        logits = functional.mlm_logits(graphdef, params, masked, (ids != 0).astype(jnp.int32), None, rng)
+        assert logits.shape == (SEQ, VOCAB)
+        ce = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), labels)
+        return jnp.sum(ce * weights) / jnp.maximum(jnp.sum(weights), 1.0)
+
+    return loss
+
+
+def test_max_predictions_covers_the_masked_tokens_of_almost_every_example():
+    # mean + 4 sd of Binomial(62, 0.15) (+1): 22 slots for the tiny recipe's 64 tokens.
+    assert max_predictions(64, 0.15) == 22
+    assert max_predictions(128, 0.15) >= 20
+
+
+def test_masked_only_head_equals_full_head_loss_and_gradients(setup):
+    graphdef, params, masker, batch = setup
+    run_key = jax.random.key(7)
+    masked_only = make_loss_fn(graphdef, masker, run_key)
+    full = full_head_loss(graphdef, masker, run_key)
+    rngs = jax.random.split(jax.random.key(1), 6)
+    for i in range(6):
+        example = jax.tree_util.tree_map(lambda x, i=i: x[i], batch)
+        selected = masker(run_key, example["step"], example["index"], example["input_ids"])["label_weights"].sum()
+        assert selected > 0  # every example scores something (else the test would be vacuous)
+        lo, go = jax.value_and_grad(masked_only)(params, example, rngs[i])
+        lf, gf = jax.value_and_grad(full)(params, example, rngs[i])
+        np.testing.assert_allclose(lo, lf, rtol=1e-5)
+        for a, b in zip(jax.tree_util.tree_leaves(go), jax.tree_util.tree_leaves(gf), strict=True):
+            np.testing.assert_allclose(a, b, rtol=2e-4, atol=2e-6)
+
+
+def test_clipped_sums_of_masked_only_and_full_heads_agree(setup):
+    """The DP step's clipped sum (ghost clipping of the masked-only head, and vmap of it) equals
+    the vmap clipped sum of the full head: per-example norms and clipping are unchanged."""
+    graphdef, params, masker, batch = setup
+    run_key = jax.random.key(7)
+    padding = jnp.asarray([False, False, False, False, False, True])
+    kw = {"clip_norm": 0.5, "microbatch_size": 2}
+    key = jax.random.key(3)
+    ref, ref_stats = clipped_grad_sum(full_head_loss(graphdef, masker, run_key), params, batch, padding, key, **kw)
+    vm, _ = clipped_grad_sum(make_loss_fn(graphdef, masker, run_key), params, batch, padding, key, **kw)
+    ghost_loss = MaskedMLMGhostLoss(graphdef=graphdef, masker=masker, run_key=run_key)
+    gh, gh_stats = ghost_clipped_grad_sum(ghost_loss, params, batch, padding, key, **kw)
+    assert float(ref_stats.num_clipped) > 0  # clipping is exercised
+    np.testing.assert_allclose(gh_stats.loss_sum, ref_stats.loss_sum, rtol=1e-5)
+    for a, b, c in zip(*(jax.tree_util.tree_leaves(t) for t in (ref, vm, gh)), strict=True):
+        np.testing.assert_allclose(b, a, rtol=2e-4, atol=2e-6)
+        np.testing.assert_allclose(c, a, rtol=2e-4, atol=2e-6)
