@@ -31,9 +31,13 @@ def test_recipes_folder_is_not_empty():
 @pytest.mark.parametrize("path", RECIPES, ids=lambda p: p.name)
 def test_every_recipe_parses_and_documents_itself(path):
     raw = yaml.safe_load(path.read_text())
-    if "schedule" in raw:  # a pretraining recipe (this schema)
+    if "schedule" in raw and "recipe" not in raw:  # a pretraining recipe (this schema)
         recipe = load_recipe(path)
         assert isinstance(recipe, Recipe) and recipe.total_steps > 0
+    elif "recipe" in raw:  # a sweep over a pretraining recipe
+        from dpbert.train.sweep import build_arms, load_sweep
+
+        assert len(build_arms(load_sweep(path))) >= 2
     else:  # a GLUE fine-tuning recipe: its own schema
         from dpbert.train.finetune import load_config
 
