@@ -509,6 +509,8 @@ def ghost_clipped_grad_sum(
         # Every tap enters its example's squared norm multiplied by itself, so finite norms mean
         # finite taps, and a factor of 0 (padding, non-finite loss) then gives exact zeros. Only a
         # micro-batch with a non-finite norm pays for zeroing the dropped rows first (0 * NaN = NaN).
+        # (Cleaning inside one weighted sum, each tree behind its own cond, compiled 15-30% faster
+        # but ran 15-20% slower: the identity branches copy every tap.)
         sums = jax.lax.cond(
             jnp.all(jnp.isfinite(sq_norms)),
             lambda: weighted_sums(lambda x: x),
