@@ -1,11 +1,13 @@
-"""Public vocabulary subsets (`data.tokenizer: bert-base-uncased-8k`): a prefix of
-bert-base-uncased's own list, never derived from a corpus."""
+"""The default recipe (recipes/tiny.yaml, what `make run` runs): its public vocabulary subset,
+its accounting, the recipe header's reference line, and `dpbert bench`'s preset of its shapes."""
 
 from __future__ import annotations
 
+from pathlib import Path
 
 import pytest
 
+from dpbert.bench import RECIPE_PRESETS, MODELS
 from dpbert.data.tokenizer import (
     load_tokenizer,
     public_subset_size,
@@ -14,7 +16,10 @@ from dpbert.data.tokenizer import (
     public_vocab_subset_dir,
     resolve_tokenizer,
 )
+from dpbert.train.pretrain import make_plan, max_predictions, recipe_reference
+from dpbert.train.recipe import load_recipe
 
+RECIPES = Path(__file__).resolve().parents[1] / "recipes"
 TEXT = ("The President of the United States addressed the Congress on unemployment, inflation and the "
         "Naïve économie of 1848; 日本 too.")
 
@@ -51,3 +56,32 @@ def test_public_subset_is_a_prefix_of_bert_vocabulary_and_tokenizes_without_unk(
     assert len(ids) > len(ref(TEXT)["input_ids"])
     with pytest.raises(ValueError, match="at least"):
         public_vocab_subset(100)
+
+
+def test_default_recipe_is_private_public_and_within_its_budget():
+    recipe = load_recipe(RECIPES / "tiny.yaml")
+    p = recipe.privacy
+    assert p.enabled and p.target_epsilon <= 8.0 and p.delta <= 1e-6 and p.dataset_size is not None
+    plan = make_plan(recipe, p.dataset_size, dataset_size_source="declared")
+    assert plan.ledger.epsilon() <= p.target_epsilon
+    assert plan.ledger.truncation_delta() <= 0.01 * p.delta
+    assert public_subset_size(recipe.data.tokenizer) is not None or recipe.data.tokenizer in ("public",
+                                                                                               "bert-base-uncased")
+
+
+def test_recipe_headers_state_the_nonprivate_reference():
+    for name in ("tiny.yaml", "tiny_nonprivate.yaml"):
+        reference = recipe_reference(RECIPES / name)
+        assert reference is not None and 0 < reference[0] < 1, name
+
+
+def test_bench_preset_has_the_default_recipe_shapes():
+    recipe = load_recipe(RECIPES / "tiny.yaml")
+    base, vocab, seq_len, predictions = RECIPE_PRESETS["tiny-recipe"]
+    m = recipe.model
+    assert MODELS[base] == (m.num_hidden_layers, m.hidden_size, m.num_attention_heads)
+    assert m.intermediate_size == 4 * m.hidden_size
+    assert vocab == public_subset_size(recipe.data.tokenizer)
+    assert seq_len == recipe.data.seq_len
+    assert predictions == max_predictions(recipe.data.seq_len, recipe.data.mask_prob)
+    assert RECIPE_PRESETS["tiny-recipe-30k"][1] == len(load_tokenizer(public_vocab_dir()))

@@ -13,6 +13,7 @@ same code as any run), plus a non-private arm:
     batch_sizes: [128, 256, 512, 1024, 2048]
     schedule: [512, 2048]              # increasing arm: one stage per size, equal shares of examples
     nonprivate_batch_size: 128         # the non-private arm (no clipping, no noise)
+    nonprivate_set: ["optimizer.learning_rate=2e-3"]   # the non-private arm's own tuning, if any
     warmup_fraction: 0.1               # warmup steps = this fraction of each arm's steps
     set: ["train.eval_every=0"]        # overrides for every arm (never schedule or privacy)
 
@@ -37,8 +38,8 @@ from typing import Any
 from dpbert.atomic import write_json
 from dpbert.train.recipe import load_recipe, read_yaml
 
-SWEEP_FIELDS = ("recipe", "examples", "batch_sizes", "schedule", "nonprivate_batch_size", "warmup_fraction",
-                "target_epsilon", "set")
+SWEEP_FIELDS = ("recipe", "examples", "batch_sizes", "schedule", "nonprivate_batch_size", "nonprivate_set",
+                "warmup_fraction", "target_epsilon", "set")
 # Overrides that would make arms differ in more than their batch-size schedule.
 FORBIDDEN_SET_PREFIXES = ("schedule", "privacy", "optimizer.warmup_steps")
 
@@ -52,6 +53,7 @@ class SweepSpec:
     batch_sizes: tuple[int, ...]
     schedule: tuple[int, ...] = ()
     nonprivate_batch_size: int | None = None
+    nonprivate_set: tuple[str, ...] = ()
     warmup_fraction: float = 0.1
     target_epsilon: float | None = None
     set: tuple[str, ...] = ()
@@ -71,7 +73,7 @@ class SweepSpec:
             raise ValueError("sweep field 'schedule': an increasing schedule needs at least 2 stages")
         if not 0.0 <= self.warmup_fraction < 1.0:
             raise ValueError(f"sweep field 'warmup_fraction': expected a fraction in [0, 1), got {self.warmup_fraction!r}")
-        for override in self.set:
+        for override in (*self.set, *self.nonprivate_set):
             key = override.partition("=")[0].strip()
             if key.startswith(FORBIDDEN_SET_PREFIXES):
                 raise ValueError(f"sweep field 'set': {override!r} would make the arms differ in more than the batch "
@@ -97,6 +99,7 @@ def load_sweep(path: str | os.PathLike[str]) -> SweepSpec:
             schedule=tuple(raw.get("schedule") or ()), nonprivate_batch_size=raw.get("nonprivate_batch_size"),
             warmup_fraction=float(raw.get("warmup_fraction", 0.1)), target_epsilon=raw.get("target_epsilon"),
             set=tuple(str(s) for s in raw.get("set") or ()),
+            nonprivate_set=tuple(str(s) for s in raw.get("nonprivate_set") or ()),
         )
     except ValueError as err:
         raise ValueError(f"sweep {path}: {err}") from None
@@ -129,7 +132,8 @@ class Arm:
 
 def _arm(name: str, private: bool, stages: Sequence[tuple[int, int]], spec: SweepSpec) -> Arm:
     steps = sum(t for t, _ in stages)
-    overrides = [*spec.set, f"schedule={json.dumps([{'steps': t, 'expected_batch_size': b} for t, b in stages])}",
+    own = () if private else spec.nonprivate_set
+    overrides = [*spec.set, *own, f"schedule={json.dumps([{'steps': t, 'expected_batch_size': b} for t, b in stages])}",
                  f"optimizer.warmup_steps={min(steps - 1, round(spec.warmup_fraction * steps))}",
                  f"privacy.enabled={'true' if private else 'false'}"]
     if private and spec.target_epsilon is not None:
@@ -144,7 +148,8 @@ def _arm(name: str, private: bool, stages: Sequence[tuple[int, int]], spec: Swee
 def build_arms(spec: SweepSpec) -> list[Arm]:
     """The sweep's arms: one private arm per batch size (steps = examples / B), the increasing
     schedule (one stage per size, each processing an equal share of the examples) and the
-    non-private arm. Steps are rounded, so examples differ from the budget by < B/2 per stage."""
+    non-private arm (with `nonprivate_set` on top: a non-private model may want its own learning
+    rate). Steps are rounded, so examples differ from the budget by < B/2 per stage."""
     arms = []
     for b in spec.batch_sizes:
         arms.append(_arm(f"B={b}", True, [(max(1, round(spec.examples / b)), b)], spec))
