@@ -133,7 +133,7 @@ def test_run_sweep_writes_rows_table_and_figure(tmp_path, monkeypatch, capsys):
     assert saved == rows and len(rows) == 5
     for row in rows:
         assert {"name", "expected_batch_size", "epsilon", "examples", "steps", "mlm_accuracy", "unigram_accuracy",
-                "private"} <= set(row)
+                "private", "mlm_loss"} <= set(row)
     assert rows[3]["expected_batch_size"] == 1024 and rows[3]["steps"] == 4 + 1
     assert (tmp_path / "out" / "sweep.png").stat().st_size > 0
     out = capsys.readouterr().out
@@ -146,10 +146,11 @@ def test_table_and_plot_from_rows(tmp_path):
     rows = [
         {"name": f"B={b}", "expected_batch_size": b, "epsilon": 8.0, "examples": 4096, "steps": 4096 // b,
          "mlm_accuracy": acc, "unigram_accuracy": 0.07, "private": True, "noise_multiplier": 0.6,
-         "stages": [[4096 // b, b]]}
+         "stages": [[4096 // b, b]], "mlm_loss": 7.0 - 10 * acc}
         for b, acc in ((64, 0.08), (256, 0.1), (1024, 0.12))
     ] + [{"name": "non-private B=64", "expected_batch_size": 64, "epsilon": None, "examples": 4096, "steps": 64,
-          "mlm_accuracy": 0.2, "unigram_accuracy": 0.07, "private": False, "stages": [[64, 64]]}]
+          "mlm_accuracy": 0.2, "unigram_accuracy": 0.07, "private": False, "stages": [[64, 64]],
+          "mlm_loss": 5.0}]
     table = format_table(rows)
-    assert "B=1024" in table and "+5.00" in table
+    assert "B=1024" in table and "+5.00" in table and "5.800" in table
     assert plot_sweep(rows, tmp_path / "s.png").stat().st_size > 0
