@@ -9,6 +9,7 @@ import pytest
 from dpbert.data.tokenizer import (
     load_tokenizer,
     public_subset_size,
+    public_vocab,
     public_vocab_dir,
     public_vocab_subset,
     public_vocab_subset_dir,
@@ -26,7 +27,7 @@ def test_public_subset_specs(spec, size):
 
 
 def test_public_subset_is_a_prefix_of_bert_vocabulary_and_tokenizes_without_unk(tmp_path):
-    full = (public_vocab_dir() / "vocab.txt").read_text(encoding="utf-8").splitlines()
+    full = public_vocab()
     vocab = public_vocab_subset(8192)
     assert len(vocab) == len(set(vocab)) == 8192
     assert vocab[:5] == ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
