@@ -41,7 +41,7 @@ def test_public_subset_is_a_prefix_of_bert_vocabulary_and_tokenizes_without_unk(
     folder = public_vocab_subset_dir(8192, tmp_path)
     assert public_vocab_subset_dir(8192, tmp_path) == folder  # cached, same content
     assert str(folder) == resolve_tokenizer("bert-base-uncased-8k", tmp_path)
-    tok, ref = load_tokenizer(folder), load_tokenizer(public_vocab_dir())
+    tok, ref = load_tokenizer(folder), load_tokenizer(public_vocab_dir(tmp_path))
     assert len(tok) == 8192 and tok.is_fast
     assert [tok.pad_token_id, tok.unk_token_id, tok.cls_token_id, tok.sep_token_id, tok.mask_token_id] == [0, 1, 2, 3, 4]
     ids = tok(TEXT)["input_ids"]
