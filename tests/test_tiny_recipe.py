@@ -11,6 +11,7 @@ from dpbert.bench import RECIPE_PRESETS, MODELS
 from dpbert.data.tokenizer import (
     load_tokenizer,
     public_subset_size,
+    public_vocab,
     public_vocab_dir,
     public_vocab_subset,
     public_vocab_subset_dir,
@@ -31,7 +32,7 @@ def test_public_subset_specs(spec, size):
 
 
 def test_public_subset_is_a_prefix_of_bert_vocabulary_and_tokenizes_without_unk(tmp_path):
-    full = (public_vocab_dir() / "vocab.txt").read_text(encoding="utf-8").splitlines()
+    full = public_vocab()
     vocab = public_vocab_subset(8192)
     assert len(vocab) == len(set(vocab)) == 8192
     assert vocab[:5] == ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
@@ -45,7 +46,7 @@ def test_public_subset_is_a_prefix_of_bert_vocabulary_and_tokenizes_without_unk(
     folder = public_vocab_subset_dir(8192, tmp_path)
     assert public_vocab_subset_dir(8192, tmp_path) == folder  # cached, same content
     assert str(folder) == resolve_tokenizer("bert-base-uncased-8k", tmp_path)
-    tok, ref = load_tokenizer(folder), load_tokenizer(public_vocab_dir())
+    tok, ref = load_tokenizer(folder), load_tokenizer(public_vocab_dir(tmp_path))
     assert len(tok) == 8192 and tok.is_fast
     assert [tok.pad_token_id, tok.unk_token_id, tok.cls_token_id, tok.sep_token_id, tok.mask_token_id] == [0, 1, 2, 3, 4]
     ids = tok(TEXT)["input_ids"]

