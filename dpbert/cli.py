@@ -384,8 +384,9 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
         description="One table (or --json object) of examples/s, ratios and peak memory, with the JAX backend "
         "and device. PyTorch/Opacus rows are skipped with a message when not installed (extra: bench).",
     )
-    p.add_argument("--model", choices=["tiny", "mini", "base", "tiny-recipe", "tiny-recipe-30k"], default="tiny",
-                   help="tiny 2x128, mini 4x256, base 12x768 (vocab 8192, seq len 128); tiny-recipe: the shapes "
+    p.add_argument("--model", choices=["tiny", "mini", "base", "large", "tiny-recipe", "tiny-recipe-30k"], default="tiny",
+                   help="tiny 2x128, mini 4x256, base 12x768 (vocab 8192, seq len 128), large 24x1024 (BERT-Large, "
+                   "vocab 30522); tiny-recipe: the shapes "
                    "recipes/tiny.yaml trains (2x128, its public 8192-token vocabulary, seq len 64, 22 decoded "
                    "positions), tiny-recipe-30k: the same with bert-base-uncased's 30522 tokens (default: tiny)")
     p.add_argument("--batch", type=int, default=None,
@@ -400,6 +401,8 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--remat", action="store_true", help="jax.checkpoint per encoder layer (non-private and vmap rows)")
     p.add_argument("--no-vmap", dest="vmap", action="store_false", help="skip the vmap DP row (slow on big models)")
     p.add_argument("--no-peers", dest="peers", action="store_false", help="skip PyTorch and Opacus")
+    p.add_argument("--peer-timeout", type=float, default=600.0, metavar="SECONDS",
+                   help="on CUDA, seconds each PyTorch / Opacus row's own process may take (default: 600)")
     p.add_argument("--no-memory", dest="memory", action="store_false", help="skip the memory analysis")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
 

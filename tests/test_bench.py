@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from dpbert.bench import NONPRIVATE_ROWS, format_table
+from dpbert.bench import NONPRIVATE_ROWS, TORCH_BF16_ROW, TORCH_ROW, _peer_rows_in_processes, format_table
 from dpbert.cli import main
 
 
@@ -38,3 +38,28 @@ def test_bench_refuses_a_bad_microbatch(capsys):
     assert "expected a positive integer or 'auto', got 'four'" in capsys.readouterr().err
     assert main(["bench", "--batch", "6", "--microbatch", "4", "--no-peers"]) != 0
     assert "batch: expected a positive multiple of microbatch (4), got 6" in capsys.readouterr().err
+
+
+def test_cpu_peers_run_here_and_name_their_device(capsys):
+    """Without CUDA, the PyTorch and Opacus rows (bf16 autocast included) run in this process, in
+    the round robin, each row naming its device; an Opacus mode that cannot run says why."""
+    assert main(["bench", "--batch", "2", "--microbatch", "1", "--steps", "1", "--no-memory", "--no-vmap", "--json",
+                 "--layer-mode", "ghost"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    rows, devices = result["examples_per_s"], result["device_by_row"]
+    assert result["peer_device"] == "cpu" and result["torch_reference"] == TORCH_ROW
+    for row in (TORCH_ROW, TORCH_BF16_ROW, "opacus DP (hooks)", "dpbert DP (ghost)"):
+        assert rows[row] > 0, row
+    assert devices[TORCH_BF16_ROW].startswith("cpu:") and devices["dpbert DP (ghost)"] == "cpu:cpu"
+    assert rows["opacus DP (ghost)"].startswith("failed:") and devices["opacus DP (ghost)"] is None
+    assert abs(result["nonprivate_over_torch"] - rows[result["best_nonprivate"]] / rows[TORCH_ROW]) < 1e-9
+    assert "   cpu:" in format_table(result)
+
+
+def test_peer_rows_in_their_own_processes():
+    """The CUDA path's protocol, run on the CPU: one child process per row reports its rate and
+    device; a child that overruns its time is reported, not waited for."""
+    rates, notes, devices = _peer_rows_in_processes("tiny", 2, 1, 300, device="cpu", rows=[TORCH_BF16_ROW])
+    assert rates[TORCH_BF16_ROW] > 0 and devices[TORCH_BF16_ROW].startswith("cpu:") and notes == {}
+    rates, notes, _ = _peer_rows_in_processes("tiny", 2, 1, 0.05, device="cpu", rows=[TORCH_ROW])
+    assert rates == {} and notes == {TORCH_ROW: "failed: no result within 0.05 s"}
