@@ -144,19 +144,21 @@ def device_settings(
     ghost = recipe.privacy.enabled and train.clipping != "vmap"
     params, example, loss = _placeholder_problem(recipe, config, num_predictions, train.layer_mode)
     seconds = _microbatch_seconds(recipe, loss, params, example, sizes, budget)
-    schedule_seconds = {
-        m: sum(stage.steps * t * expected_microbatches(
+
+    def schedule_time(m: int) -> float:
+        return sum(stage.steps * seconds[m] * expected_microbatches(
             m, expected_batch_size=stage.expected_batch_size, dataset_size=dataset_size,
-            compiled_rows=compiled_rows_per_device(p, devices, m)) for stage, p in zip(recipe.schedule, physical_batch_sizes))
-        for m, t in seconds.items()
-    }
+            compiled_rows=compiled_rows_per_device(physical, devices, m))
+            for stage, physical in zip(recipe.schedule, physical_batch_sizes))
+
+    schedule_seconds = {m: schedule_time(m) for m in seconds}
     best = min(schedule_seconds, key=schedule_seconds.get)
     mode_seconds: dict[str, float] = {}
     if ghost and len(layer_modes) > 1:
-        # The recipe's own mode was just timed at this size.
-        mode_seconds = {mode: seconds[best] if mode == train.layer_mode else _microbatch_seconds(
-            recipe, dataclasses.replace(loss, layer_mode=mode), params, example, [best], None)[best]
-            for mode in layer_modes}
+        for mode in layer_modes:
+            # The recipe's own mode was just timed at this size.
+            mode_seconds[mode] = seconds[best] if mode == train.layer_mode else _microbatch_seconds(
+                recipe, dataclasses.replace(loss, layer_mode=mode), params, example, [best], None)[best]
     return DeviceSettings(
         backend=backend, microbatch_size=best, dtype="bfloat16",
         layer_mode=min(mode_seconds, key=mode_seconds.get) if mode_seconds else train.layer_mode,
