@@ -78,7 +78,7 @@ class DeviceSettings:
                 f"ghost layer mode {self.layer_mode}")
         if not self.schedule_seconds:
             return f"{head} (the recipe's micro-batch and layer mode, not measured)"
-        sizes = ", ".join(f"{m}: {s:.0f} s" for m, s in self.schedule_seconds.items())
+        sizes = ", ".join(f"{m}: {s:.3g} s" for m, s in self.schedule_seconds.items())
         modes = ", ".join(f"{k}: {1e3 * s:.1f} ms" for k, s in self.layer_mode_seconds.items())
         return (f"{head} (measured on placeholder inputs; expected schedule time by micro-batch {sizes}"
                 + (f"; one micro-batch by layer mode {modes}" if modes else "") + ")")
