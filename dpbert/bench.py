@@ -8,15 +8,19 @@
 - dpbert DP step with each clipping path ("vmap": per-example gradients; "ghost": ghost norms
   and book-keeping), micro-batches of `microbatch` (or, with "auto", each row's fastest size,
   timed on placeholder inputs by `dpbert.privacy.tuning.fastest_microbatch_size`);
-- PyTorch non-private step of transformers' `BertForMaskedLM` with the same config, and Opacus
-  DP steps (grad_sample_mode "hooks" and "ghost"; ghost refuses the tied
-  decoder: "Parameter tying is not supported") on it, with `torch.set_num_threads` equal
-  to the CPU count XLA's CPU backend uses. Each peer that is missing or fails says why;
+- PyTorch non-private step of transformers' `BertForMaskedLM` with the same config, in float32
+  and with bfloat16 autocast, and Opacus DP steps (grad_sample_mode "hooks" and "ghost"; ghost
+  refuses the tied decoder: "Parameter tying is not supported") on it. Where PyTorch sees a
+  CUDA device the peers run there (TF32 matmuls allowed), each row in its own process started
+  before this process's JAX touches the GPU (JAX preallocates most of its memory), timed there
+  the same way; otherwise on the CPU in this process, with `torch.set_num_threads` equal to
+  the CPU count XLA's CPU backend uses. Every row names the device it ran on; each peer that is
+  missing or fails says why;
 - the noise draw of one DP step alone (one Gaussian per parameter: a fixed cost per step,
   which larger batches amortize), reported in ms and as a fraction of the DP step.
 
-Units: examples per second (best of `steps` timed steps after one warm-up; all rows, the
-PyTorch and Opacus ones included, take turns step by step, so a change of machine load hits
+Units: examples per second (best of `steps` timed steps after one warm-up; on a CPU all rows,
+the PyTorch and Opacus ones included, take turns step by step, so a change of machine load hits
 all of them alike), ratios of those
 within one run, and peak memory from XLA's compiled memory analysis of the DP step
 (parameters, optimizer state, outputs and temporaries; the input batch arrays themselves are
@@ -31,10 +35,13 @@ from the rates (each row then runs the compiled step).
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
+import subprocess
+import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -109,7 +116,9 @@ def _time_round_robin(runs: dict[str, Callable[[], Any]], steps: int) -> dict[st
 NONPRIVATE_ROWS = ("dpbert non-private (one pass)", "dpbert non-private (micro-batches)")
 DP_ROWS = ("dpbert DP (vmap)", "dpbert DP (ghost)")
 NOISE_ROW = "noise draw"
-PEER_ROWS = ("torch non-private", "opacus DP", "opacus DP (hooks)", "opacus DP (ghost)")
+TORCH_ROW, TORCH_BF16_ROW = "torch non-private", "torch non-private (bf16 autocast)"
+OPACUS_ROWS = ("opacus DP (hooks)", "opacus DP (ghost)")
+PEER_ROWS = (TORCH_ROW, TORCH_BF16_ROW, "opacus DP", *OPACUS_ROWS)
 ROWS = NONPRIVATE_ROWS + DP_ROWS + PEER_ROWS
 # Default batch per model: DP-SGD trains with large batches (the paper's reach millions), and
 # the per-step costs (noise, optimizer update) are amortized over them. base stays at 16 so
@@ -191,11 +200,14 @@ def _aot(fn: Any, *args: Any) -> tuple[Any, float]:
 
 
 def _fastest_microbatch(sum_fn: Callable[..., Any], params: Any, batch: int, model: str = "tiny") -> int:
-    """The fastest micro-batch size of `sum_fn` among the powers of two up to 32 that divide
-    `batch` and are smaller than it (the whole batch is the one-pass row), on placeholders."""
+    """The fastest micro-batch size of `sum_fn` among the candidates that divide `batch` and are
+    smaller than it (the whole batch is the one-pass row), on placeholders: powers of two up to
+    32 on a CPU (its caches), `dpbert.train.device.ACCELERATOR_MICROBATCH_SIZES` on a GPU or TPU."""
     from dpbert.privacy.tuning import fastest_microbatch_size
+    from dpbert.train.device import ACCELERATOR_MICROBATCH_SIZES, is_accelerator
 
-    candidates = [m for m in (1, 2, 4, 8, 16, 32) if m < batch and batch % m == 0] or [batch]
+    sizes = ACCELERATOR_MICROBATCH_SIZES if is_accelerator() else (1, 2, 4, 8, 16, 32)
+    candidates = [m for m in sizes if m < batch and batch % m == 0] or [batch]
     example = {k: jax.ShapeDtypeStruct(v.shape[1:], v.dtype) for k, v in _data(1, model=model).items()}
     return fastest_microbatch_size(sum_fn, params, example, candidates=candidates)[0]
 
@@ -220,71 +232,98 @@ def dp_step_peak_bytes(loss: Any, optimizer: Any, params: Any, *, expected_batch
     return peak_bytes(step.lower(*args).compile()) - batch_bytes
 
 
-def _torch_runs(model: str, batch: int) -> tuple[dict[str, Callable[[], Any]], dict[str, str], int | None]:
-    """One step callable per PyTorch / Opacus row that runs (each Opacus step already called once,
-    so a mode that fails is reported here), the reason of each row that does not, and the torch
-    thread count (None without torch)."""
-    try:
-        import torch
-        from transformers import BertForMaskedLM as TorchBert
-    except ImportError as err:
-        return {}, {"torch non-private": f"skipped: {err}"}, None
-    threads = os.cpu_count() or 1  # XLA's CPU backend uses every core
-    torch.set_num_threads(threads)
-    torch.manual_seed(0)
+def torch_device() -> str | None:
+    """The device the PyTorch peers run on: "cuda" where PyTorch sees a GPU, else "cpu"; None
+    without torch. Only the driver is queried: no CUDA context is created here."""
+    if importlib.util.find_spec("torch") is None:
+        return None
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _peer_rows() -> tuple[list[str], dict[str, str]]:
+    """(peer rows that can run, the reason of each that cannot): torch and opacus installed?"""
+    if importlib.util.find_spec("torch") is None:
+        return [], {TORCH_ROW: "skipped: torch is not installed"}
+    if importlib.util.find_spec("opacus") is None:
+        return [TORCH_ROW, TORCH_BF16_ROW], {"opacus DP": "skipped: opacus is not installed"}
+    return [TORCH_ROW, TORCH_BF16_ROW, *OPACUS_ROWS], {}
+
+
+def _torch_setup(device: str) -> str:
+    """Thread count (CPU) or TF32 matmuls (CUDA) for the peers; returns the device's label."""
+    import torch
+
+    if device == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+        return f"cuda:{torch.cuda.get_device_name()}"
+    torch.set_num_threads(os.cpu_count() or 1)  # XLA's CPU backend uses every core
+    return f"cpu:{torch.get_num_threads()} threads"
+
+
+def _peer_step(row: str, model: str, batch: int, device: str) -> Callable[[], None]:
+    """One training step of a peer row on `device` ("cpu" or "cuda"), called once already (so a
+    row that cannot run fails here), on the batch `_data(batch, model=model)`."""
+    import torch
+
     np_data = _data(batch, model=model)
     seq_len = shapes(model)[1]
     ids = torch.from_numpy(np_data["input_ids"]).long()
-    mask = torch.from_numpy(np_data["attention_mask"]).long()
     labels = torch.full_like(ids, -100)
-    # Explicit per-example position and token-type ids: Opacus needs a batch axis on every input.
-    extra = {"position_ids": torch.arange(seq_len).expand(batch, seq_len).contiguous(),
-             "token_type_ids": torch.zeros_like(ids)}
-    pos = torch.from_numpy(np_data["masked_positions"]).long()
-    labels.scatter_(1, pos, torch.from_numpy(np_data["labels"]).long())
+    labels.scatter_(1, torch.from_numpy(np_data["masked_positions"]).long(), torch.from_numpy(np_data["labels"]).long())
+    inputs = {
+        "input_ids": ids, "attention_mask": torch.from_numpy(np_data["attention_mask"]).long(),
+        # Explicit per-example position and token-type ids: Opacus needs a batch axis on every input.
+        "position_ids": torch.arange(seq_len).expand(batch, seq_len).contiguous(),
+        "token_type_ids": torch.zeros_like(ids),
+    }
+    inputs = {k: v.to(device) for k, v in inputs.items()}
+    labels = labels.to(device)
+    if row in OPACUS_ROWS:
+        step = _opacus_step(model, row.split("(")[1].rstrip(")"), inputs, labels, device)
+    else:
+        step = _torch_step(model, inputs, labels, device, autocast=row == TORCH_BF16_ROW)
+    step()
+    return step
 
-    net = TorchBert(bert_config(model)).train()
+
+def _torch_step(model: str, inputs: dict[str, Any], labels: Any, device: str, *, autocast: bool) -> Callable[[], None]:
+    import torch
+    from transformers import BertForMaskedLM as TorchBert
+
+    torch.manual_seed(0)
+    net = TorchBert(bert_config(model)).to(device).train()
     opt = torch.optim.SGD(net.parameters(), lr=1e-4)
 
-    def plain() -> None:
+    def step() -> None:
         opt.zero_grad(set_to_none=True)
-        net(input_ids=ids, attention_mask=mask, labels=labels, **extra).loss.backward()
+        # bfloat16 autocast: matmuls in bfloat16, float32 parameters and optimizer (dpbert's --bfloat16).
+        with torch.autocast(device, dtype=torch.bfloat16, enabled=autocast):
+            loss = net(**inputs, labels=labels).loss
+        loss.backward()
         opt.step()
 
-    runs: dict[str, Callable[[], Any]] = {"torch non-private": plain}
-    notes: dict[str, str] = {}
-    try:
-        import opacus  # noqa: F401
-    except ImportError as err:
-        notes["opacus DP"] = f"skipped: {err}"
-        return runs, notes, threads
-    for mode in ("hooks", "ghost"):
-        name = f"opacus DP ({mode})"
-        try:
-            runs[name] = _opacus_step(model, mode, ids, mask, labels, extra)
-            runs[name]()
-        except Exception as err:  # a peer mode that does not support BERT is reported, not fatal
-            runs.pop(name, None)
-            notes[name] = f"failed: {type(err).__name__}: {str(err).splitlines()[0][:120] if str(err) else ''}"
-    return runs, notes, threads
+    return step
 
 
-def _opacus_step(model: str, mode: str, ids: Any, mask: Any, labels: Any, extra: dict) -> Callable[[], None]:
+def _opacus_step(model: str, mode: str, inputs: dict[str, Any], labels: Any, device: str) -> Callable[[], None]:
     import torch
     from opacus import PrivacyEngine
     from transformers import BertForMaskedLM as TorchBert
 
     torch.manual_seed(0)
-    net = TorchBert(bert_config(model)).train()
+    net = TorchBert(bert_config(model)).to(device).train()
     # The head's `bias` is an alias of decoder.bias; as a bare parameter of the head module it
     # sends Opacus to its functorch fallback, which fails on this torch. Same tensor, kept once.
     if net.cls.predictions.bias is net.cls.predictions.decoder.bias:
         del net.cls.predictions.bias
     opt = torch.optim.SGD(net.parameters(), lr=1e-4)
-    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(ids, mask, labels), batch_size=len(ids))
+    dataset = torch.utils.data.TensorDataset(inputs["input_ids"], labels)
+    loader = torch.utils.data.DataLoader(dataset, batch_size=len(labels))
     criterion = torch.nn.CrossEntropyLoss(reduction="mean")
-    engine = PrivacyEngine()
-    made = engine.make_private(
+    made = PrivacyEngine().make_private(
         module=net, optimizer=opt, data_loader=loader, noise_multiplier=1.0, max_grad_norm=1.0,
         poisson_sampling=False, grad_sample_mode=mode, criterion=criterion,
     )
@@ -293,7 +332,7 @@ def _opacus_step(model: str, mode: str, ids: Any, mask: Any, labels: Any, extra:
 
     def step() -> None:
         dp_opt.zero_grad(set_to_none=True)
-        logits = module(input_ids=ids, attention_mask=mask, **extra).logits
+        logits = module(**inputs).logits
         flat = (logits.reshape(-1, vocab), labels.reshape(-1))
         if mode == "ghost":
             # Per-example mean over the masked tokens (ignore_index), as in dpbert's loss.
@@ -307,12 +346,88 @@ def _opacus_step(model: str, mode: str, ids: Any, mask: Any, labels: Any, extra:
     return step
 
 
+def _failure(err: BaseException) -> str:
+    """A peer's failure in one line: exception type and the first line of its message."""
+    text = str(err).splitlines()[0][:120] if str(err) else ""
+    return f"failed: {type(err).__name__}: {text}"
+
+
+def _peer_runs_here(model: str, batch: int) -> tuple[dict[str, Callable[[], Any]], dict[str, str], dict[str, str]]:
+    """CPU peers in this process, for the round robin: (step per row, reason per row that does
+    not run, device label per row)."""
+    rows, notes = _peer_rows()
+    if not rows:
+        return {}, notes, {}
+    label = _torch_setup("cpu")
+    runs: dict[str, Callable[[], Any]] = {}
+    for row in rows:
+        try:
+            runs[row] = _peer_step(row, model, batch, "cpu")
+        except Exception as err:  # a peer that does not support this BERT is reported, not fatal
+            notes[row] = _failure(err)
+    return runs, notes, dict.fromkeys(runs, label)
+
+
+def _peer_rows_in_processes(model: str, batch: int, steps: int, timeout: float, *, device: str = "cuda",
+                            rows: Sequence[str] | None = None) -> tuple[dict[str, float], dict[str, str], dict[str, str]]:
+    """Peers on `device`, one child process per row (`python -m dpbert.bench ROW_JSON`, JAX kept
+    off the GPU there), each timed like the JAX rows (best of `steps` after one warm-up, the
+    device synchronized): (examples/s per row, reason per row that does not run, device per row).
+    `rows`: a subset of the rows that can run (default: all of them)."""
+    runnable, notes = _peer_rows()
+    rows = runnable if rows is None else [r for r in rows if r in runnable]
+    rates: dict[str, float] = {}
+    devices: dict[str, str] = {}
+    env = os.environ | {"JAX_PLATFORMS": "cpu", "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
+    for row in rows:
+        spec = json.dumps({"row": row, "model": model, "batch": batch, "steps": steps, "device": device})
+        try:
+            done = subprocess.run([sys.executable, "-m", "dpbert.bench", spec], capture_output=True, text=True,
+                                  env=env, timeout=timeout, check=False)
+        except subprocess.TimeoutExpired:
+            notes[row] = f"failed: no result within {timeout:g} s"
+            continue
+        lines = done.stdout.strip().splitlines()
+        if done.returncode or not lines:
+            tail = (done.stderr.strip().splitlines() or [f"exit status {done.returncode}"])[-1]
+            notes[row] = f"failed: {tail[:160]}"
+            continue
+        out = json.loads(lines[-1])
+        if "note" in out:
+            notes[row] = out["note"]
+        else:
+            rates[row], devices[row] = out["examples_per_s"], out["device"]
+    return rates, notes, devices
+
+
+def _peer_child(spec: dict[str, Any]) -> dict[str, Any]:
+    """One peer row, timed in this (child) process: {"examples_per_s", "device"} or {"note"}."""
+    import torch
+
+    device = spec["device"]
+    label = _torch_setup(device)
+    try:
+        step = _peer_step(spec["row"], spec["model"], spec["batch"], device)
+    except Exception as err:  # e.g. out of memory: the parent reports it in the row
+        return {"note": _failure(err)}
+
+    def synced() -> None:
+        step()
+        if device == "cuda":
+            torch.cuda.synchronize()
+
+    seconds = _time_round_robin({spec["row"]: synced}, spec["steps"])[spec["row"]]
+    return {"examples_per_s": spec["batch"] / seconds, "device": label}
+
+
 def run_bench(*, model: str = "tiny", batch: int | None = None, microbatch: int | str = DEFAULT_MICROBATCH,
               steps: int | None = None, bfloat16: bool = False, peers: bool = True, memory: bool = True,
-              layer_mode: str = "mixed", remat: bool = False, vmap: bool = True) -> dict[str, Any]:
-    """Run the benchmark; returns the rows (examples/s or a reason) and the headline ratios.
-    `batch` and `steps` default to DEFAULT_BATCH[model] and DEFAULT_STEPS[model]; `microbatch`
-    "auto" times each micro-batched row's candidate sizes first and runs it at its fastest."""
+              layer_mode: str = "mixed", remat: bool = False, vmap: bool = True,
+              peer_timeout: float = 600.0) -> dict[str, Any]:
+    """Run the benchmark; returns the rows (examples/s or a reason), the device of each row and
+    the headline ratios. `batch` and `steps` default to DEFAULT_BATCH[model] and
+    DEFAULT_STEPS[model]; `microbatch` "auto" times each micro-batched row's candidate sizes
+    first and runs it at its fastest. `peer_timeout`: seconds each CUDA peer process may take."""
     if model not in MODELS:
         raise ValueError(f"model: expected one of {sorted(MODELS)}, got {model!r}")
     batch = DEFAULT_BATCH[model] if batch is None else batch
@@ -324,24 +439,34 @@ def run_bench(*, model: str = "tiny", batch: int | None = None, microbatch: int 
     if steps < 1:
         raise ValueError(f"steps: expected >= 1, got {steps}")
     dtype = jnp.bfloat16 if bfloat16 else jnp.float32
+    peer_device = torch_device() if peers else None
+    peer_rates: dict[str, float] = {}
+    peer_notes: dict[str, str] = {}
+    peer_devices: dict[str, str] = {}
+    if peer_device == "cuda":
+        # Before this process's JAX first touches the GPU and preallocates most of its memory.
+        peer_rates, peer_notes, peer_devices = _peer_rows_in_processes(model, batch, steps, peer_timeout)
     runs, notes, sizes, (loss, optimizer, params), compile_s = _jax_runs(model, batch, microbatch, dtype, layer_mode,
                                                                          remat, vmap)
-    threads = None
-    if peers:
-        torch_runs, torch_notes, threads = _torch_runs(model, batch)
-        runs.update(torch_runs)
-        notes.update(torch_notes)
-    # Every row, PyTorch and Opacus included, takes its turn in the same round robin.
+    dev = jax.devices()[0]
+    devices = dict.fromkeys([*NONPRIVATE_ROWS, *DP_ROWS], f"{dev.platform}:{dev.device_kind}") | peer_devices
+    if peer_device is not None and peer_device != "cuda":
+        cpu_runs, peer_notes, cpu_devices = _peer_runs_here(model, batch)
+        runs.update(cpu_runs)
+        devices |= cpu_devices
+    # Every row of this process, PyTorch and Opacus on a CPU included, takes its turn in the same round robin.
     seconds = _time_round_robin(runs, steps)
     noise_s = seconds.pop(NOISE_ROW)
-    measured = {name: batch / sec for name, sec in seconds.items()} | notes
+    measured = {name: batch / sec for name, sec in seconds.items()} | peer_rates | notes | peer_notes
     rows: dict[str, float | str] = {name: measured[name] for name in ROWS if name in measured}
     best_np_name = max(NONPRIVATE_ROWS, key=rows.get)
     nonprivate = rows[best_np_name]
     best_dp_name = max((k for k in DP_ROWS if isinstance(rows[k], float)), key=rows.get)
     best_dp = rows[best_dp_name]
     opacus = [v for k, v in rows.items() if k.startswith("opacus") and isinstance(v, float)]
-    torch_np = rows.get("torch non-private")
+    # dpbert's non-private step against PyTorch's at the same precision: bfloat16 against autocast.
+    torch_row = TORCH_BF16_ROW if bfloat16 else TORCH_ROW
+    torch_np = rows.get(torch_row)
     memory_ratio = None
     peak = {}
     if memory:
@@ -350,15 +475,15 @@ def run_bench(*, model: str = "tiny", batch: int | None = None, microbatch: int 
             peak[n] = dp_step_peak_bytes(loss, optimizer, params, expected_batch=n, microbatch=sizes[best_dp_name],
                                          clipping_method=method, model=model)
         memory_ratio = peak[65536] / peak[1024]
-    dev = jax.devices()[0]
     return {
         "model": model, "layers_hidden_heads": MODELS[model], "vocab_size": shapes(model)[0],
         "seq_len": shapes(model)[1],
         "batch": batch, "microbatch": microbatch, "microbatch_by_row": sizes, "dtype": "bfloat16" if bfloat16 else "float32",
         "layer_mode": layer_mode, "remat": remat,
         "backend": jax.default_backend(), "device": f"{dev.platform}:{dev.device_kind}",
-        "xla_cpu_threads": os.cpu_count(), "torch_threads": threads,
-        "examples_per_s": rows, "best_dp": best_dp_name, "best_nonprivate": best_np_name,
+        "xla_cpu_threads": os.cpu_count(), "peer_device": peer_device,
+        "examples_per_s": rows, "device_by_row": {name: devices.get(name) if isinstance(v, float) else None for name, v in rows.items()},
+        "best_dp": best_dp_name, "best_nonprivate": best_np_name, "torch_reference": torch_row,
         # XLA compile seconds per row (None: eager PyTorch / Opacus rows, and rows that did not run).
         "compile_seconds": {name: compile_s.get(name) for name in [*rows, NOISE_ROW]},
         "peak_bytes": {str(k): v for k, v in peak.items()},
@@ -377,8 +502,8 @@ def format_table(result: dict[str, Any]) -> str:
         f"micro-batch {result['microbatch']}, {result['dtype']}, ghost layer mode {result['layer_mode']}, "
         f"remat {result['remat']}",
         f"JAX backend {result['backend']}, device {result['device']}, XLA CPU threads {result['xla_cpu_threads']}, "
-        f"torch threads {result['torch_threads']}",
-        f"{'step':<36}{'examples/s':>12}{'compile s':>11}",
+        f"PyTorch peers on {result['peer_device'] or 'nothing'}",
+        f"{'step':<36}{'examples/s':>12}{'compile s':>11}   device",
     ]
     compile_s = result.get("compile_seconds", {})
     for name, value in result["examples_per_s"].items():
@@ -387,8 +512,8 @@ def format_table(result: dict[str, Any]) -> str:
             continue
         size = result["microbatch_by_row"].get(name) if result["microbatch"] == "auto" else None
         sec = compile_s.get(name)
-        lines.append(f"{name:<36}{value:>12.1f}{'' if sec is None else f'{sec:>11.1f}'}"
-                     + (f"   (fastest micro-batch: {size})" if size else ""))
+        lines.append(f"{name:<36}{value:>12.1f}{'' if sec is None else f'{sec:11.1f}':<11}   "
+                     f"{result['device_by_row'][name]}" + (f"   (fastest micro-batch: {size})" if size else ""))
     fmt = lambda v: "n/a" if v is None else f"{v:.3f}"  # noqa: E731
     lines += [
         f"best DP path: {result['best_dp']}; best non-private: {result['best_nonprivate']}",
@@ -397,7 +522,7 @@ def format_table(result: dict[str, Any]) -> str:
         + ("" if compile_s.get(NOISE_ROW) is None else f"; compiles in {compile_s[NOISE_ROW]:.1f} s"),
         f"best DP / best non-private:     {fmt(result['dp_over_nonprivate'])}   (target >= 0.95)",
         f"dpbert DP / best Opacus DP:     {fmt(result['over_opacus'])}   (target >= 2.5)",
-        f"dpbert / torch non-private:     {fmt(result['nonprivate_over_torch'])}   (target >= 1.0)",
+        f"dpbert / {result['torch_reference'] + ':':<22}{fmt(result['nonprivate_over_torch'])}   (target >= 1.0)",
         f"peak memory 65,536 / 1,024:     {fmt(result['memory_65536_over_1024'])}   (target <= 1.10; "
         + ", ".join(f"{k}: {v / 2**20:.1f} MiB" for k, v in result["peak_bytes"].items()) + ")",
     ]
@@ -407,6 +532,10 @@ def format_table(result: dict[str, Any]) -> str:
 def bench_main(args: argparse.Namespace) -> int:
     result = run_bench(model=args.model, batch=args.batch, microbatch=args.microbatch, steps=args.steps,
                        bfloat16=args.bfloat16, peers=args.peers, memory=args.memory, layer_mode=args.layer_mode,
-                       remat=args.remat, vmap=args.vmap)
+                       remat=args.remat, vmap=args.vmap, peer_timeout=args.peer_timeout)
     print(json.dumps(result) if args.json else format_table(result))
     return 0
+
+
+if __name__ == "__main__":  # one CUDA peer row, in the child process `_peer_rows_in_processes` starts
+    print(json.dumps(_peer_child(json.loads(sys.argv[1]))))

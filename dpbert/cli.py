@@ -401,6 +401,8 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--remat", action="store_true", help="jax.checkpoint per encoder layer (non-private and vmap rows)")
     p.add_argument("--no-vmap", dest="vmap", action="store_false", help="skip the vmap DP row (slow on big models)")
     p.add_argument("--no-peers", dest="peers", action="store_false", help="skip PyTorch and Opacus")
+    p.add_argument("--peer-timeout", type=float, default=600.0, metavar="SECONDS",
+                   help="on CUDA, seconds each PyTorch / Opacus row's own process may take (default: 600)")
     p.add_argument("--no-memory", dest="memory", action="store_false", help="skip the memory analysis")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
 
