@@ -1,0 +1,193 @@
+"""Document-level DP: a document's sequences are clipped together, sampled as one unit, and the
+accountant is told the document sampling rate.
+
+The references are computed the slow, obvious way: each sequence's gradient by its own
+`jax.grad`, summed per document, then clipped."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from transformers import BertConfig
+
+from dpbert.model import functional
+from dpbert.model.bert import BertForMaskedLM
+from dpbert.privacy.clipping import clipped_grad_sum
+from dpbert.privacy.documents import SEQUENCE_PADDING, document_loss
+from dpbert.privacy.ghost_clipping import MLMGhostLoss, ghost_clipped_grad_sum, ghost_sq_norms
+from dpbert.privacy.sampling import check_document_offsets, document_sample
+
+V, L, P = 61, 12, 4
+D, K = 4, 3  # documents per batch, sequence slots per document
+
+
+def _tree_sum(trees):
+    return jax.tree_util.tree_map(lambda *x: sum(x), *trees)
+
+
+@pytest.fixture(scope="module")
+def bert():
+    # Dropout 0: a document's forward is then exactly its sequences' forwards, one by one.
+    config = BertConfig(
+        vocab_size=V, hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=24,
+        max_position_embeddings=16, type_vocab_size=2, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+    )
+    graphdef, params = functional.split_params(BertForMaskedLM(config, rngs=nnx.Rngs(0)))
+    rng = np.random.default_rng(1)
+    ids = rng.integers(1, V, (D, K, L))
+    ids[0, 1, 3] = ids[0, 0, 5]  # a token in two sequences of one document: one table row, two gradients
+    mask = np.ones((D, K, L), np.int32)
+    mask[1, 2, 6:] = 0
+    positions = rng.integers(1, L - 1, (D, K, P))
+    labels = rng.integers(0, V, (D, K, P))
+    labels[0, 0, 0] = ids[0, 1, positions[0, 1, 0]]  # decoder row of one sequence = input row of another
+    padding = np.zeros((D, K), bool)
+    padding[1, 2] = padding[2, 1:] = True  # documents with 2 and 1 real sequences
+    batch = {
+        "input_ids": jnp.asarray(ids, jnp.int32), "attention_mask": jnp.asarray(mask),
+        "token_type_ids": jnp.asarray(rng.integers(0, 2, (D, K, L)), jnp.int32),
+        "masked_positions": jnp.asarray(positions, jnp.int32), "labels": jnp.asarray(labels, jnp.int32),
+        "label_weights": jnp.ones((D, K, P), jnp.float32), SEQUENCE_PADDING: jnp.asarray(padding),
+    }
+    loss = MLMGhostLoss(graphdef=graphdef)
+    grad_one = jax.jit(jax.grad(loss))
+    # Each document's gradient: the sum of its real sequences' gradients, each from its own jax.grad.
+    per_document = []
+    for d in range(D):
+        grads = [grad_one(params, {k: v[d, s] for k, v in batch.items() if k != SEQUENCE_PADDING}, None)
+                 for s in range(K) if not padding[d, s]]
+        per_document.append(_tree_sum(grads))
+    return loss, params, batch, per_document
+
+
+def _clipped_reference(per_document, is_padding, clip_norm):
+    out = jax.tree_util.tree_map(jnp.zeros_like, per_document[0])
+    for g, pad in zip(per_document, is_padding):
+        if not pad:
+            scale = min(1.0, clip_norm / float(optax.tree.norm(g)))
+            out = jax.tree_util.tree_map(lambda t, x: t + scale * x, out, g)
+    return out
+
+
+def _max_error(got, want):
+    return max(float(jnp.max(jnp.abs(a - b))) for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)))
+
+
+@pytest.mark.parametrize("layer_mode", ["ghost", "instantiate"])
+def test_ghost_document_norm_is_the_norm_of_the_summed_sequence_gradients(bert, layer_mode):
+    loss, params, batch, per_document = bert
+    loss = MLMGhostLoss(graphdef=loss.graphdef, layer_mode=layer_mode)
+    keys = jax.vmap(lambda i: jax.random.fold_in(jax.random.key(0), i))(jnp.arange(D))
+    _, sq = jax.jit(lambda p, b: ghost_sq_norms(loss, p, b, keys))(params, batch)
+    want = np.array([float(optax.tree.norm(g)) for g in per_document])
+    np.testing.assert_allclose(np.sqrt(np.asarray(sq)), want, rtol=2e-5)
+    # ... and the clipped sums of both paths are the per-document reference.
+    is_padding = jnp.asarray([False, False, False, True])
+    clip_norm = float(np.median(want[:3]))
+    ref = _clipped_reference(per_document, np.asarray(is_padding), clip_norm)
+    scale = float(optax.tree.norm(ref))
+    for impl in (ghost_clipped_grad_sum, clipped_grad_sum):
+        got, stats = jax.jit(lambda p, b, impl=impl: impl(loss, p, b, is_padding, jax.random.key(0),
+                                                          clip_norm=clip_norm, microbatch_size=2))(params, batch)
+        assert _max_error(got, ref) <= 2e-5 * scale + 1e-6, impl.__name__
+        assert float(stats.num_examples) == 3
+
+
+def _toy_loss(params, sequence, rng):
+    # Linear in the parameters: the gradient of one sequence is its "x" times its weight.
+    return sequence["w"] * jnp.sum(params["theta"] * sequence["x"])
+
+
+def test_adversarial_documents_are_clipped_as_a_whole():
+    """Many sequences with huge, aligned gradients: the document's contribution is still <= C,
+    and removing the document changes the step's sum by at most C (before noise)."""
+    dim, cap, clip = 5, 64, 0.7
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(3, cap, dim)).astype(np.float32)
+    x[0] = 1e6  # adversarial: 64 aligned sequences of norm ~2e6 each
+    w = np.ones((3, cap), np.float32)
+    padding = np.zeros((3, cap), bool)
+    padding[2, 5:] = True
+    batch = {"x": jnp.asarray(x), "w": jnp.asarray(w), SEQUENCE_PADDING: jnp.asarray(padding)}
+    params = {"theta": jnp.zeros(dim)}
+    loss = document_loss(_toy_loss)
+    key = jax.random.key(0)
+
+    def clipped(is_padding):
+        total, _ = clipped_grad_sum(loss, params, batch, jnp.asarray(is_padding), key, clip_norm=clip,
+                                    microbatch_size=1)
+        return np.asarray(total["theta"], np.float64)
+
+    with_all = clipped([False, False, False])
+    alone = clipped([False, True, True])
+    assert np.linalg.norm(alone) <= clip * (1 + 1e-6)
+    assert np.linalg.norm(alone) > 0.99 * clip  # clipped, not dropped
+    # The document's summed gradient, normalised: the clip applies to the sum, not per sequence.
+    direction = x[0].sum(0) / np.linalg.norm(x[0].sum(0))
+    np.testing.assert_allclose(alone, clip * direction, rtol=1e-5)
+    for removed in range(3):
+        others = [i != removed for i in range(3)]
+        without = clipped([not o for o in others])
+        assert np.linalg.norm(with_all - without) <= clip * (1 + 1e-5)
+
+
+def test_document_sample_takes_at_most_the_cap_of_each_document_at_random():
+    lengths = np.array([1, 3, 40, 7, 2])
+    offsets = np.concatenate([[0], np.cumsum(lengths)])
+    cap = 4
+    seen = {d: set() for d in range(5)}
+    for step in range(200):
+        b = document_sample(jax.random.key(3), step, offsets, 3, 5, cap)
+        assert b.indices.shape == (5, cap) and b.sequence_padding.shape == (5, cap)
+        for row in range(5):
+            if b.is_padding[row]:
+                assert b.sequence_padding[row].all()
+                continue
+            d = int(b.documents[row])
+            taken = b.indices[row][~b.sequence_padding[row]]
+            assert taken.size == min(cap, lengths[d]) and len(set(taken)) == taken.size
+            assert np.all((taken >= offsets[d]) & (taken < offsets[d + 1]))  # one document's sequences only
+            seen[d].update(taken.tolist())
+    assert len(seen[2]) == 40  # a long document: different sequences on different steps
+    # Replays agree; a different key (the secret) gives different choices.
+    a = document_sample(jax.random.key(3), 7, offsets, 3, 5, cap)
+    b = document_sample(jax.random.key(3), 7, offsets, 3, 5, cap)
+    assert np.array_equal(a.indices, b.indices)
+
+
+def test_empty_document_is_rejected_with_a_clear_error():
+    with pytest.raises(ValueError, match="document 2 has no sequence"):
+        check_document_offsets(np.array([0, 3, 5, 5, 9]))
+
+
+def test_document_sampling_rate_is_what_the_accountant_is_told():
+    """Each document joins a step with the ledger's rate q = B / N documents, independently of
+    its length: over many steps the inclusion frequency of every document is q (binomial
+    tolerance of 5 standard deviations), and a length-weighted bug (q * n_d / mean) fails."""
+    from dpbert.privacy.accounting import PrivacyLedger
+    from dpbert.privacy.schedule import BatchSchedule, Stage
+
+    lengths = np.array([1] * 10 + [50] * 10)
+    offsets = np.concatenate([[0], np.cumsum(lengths)])
+    n, b, steps = 20, 4, 4000
+    ledger = PrivacyLedger.for_schedule(
+        BatchSchedule(stages=(Stage(steps=steps, expected_batch_size=b, noise_multiplier=1.0),)),
+        dataset_size=n, delta=1e-5, clip_norm=1.0, accountant="rdp", privacy_unit="one document",
+        max_sequences_per_document=8,
+    )
+    q = ledger.stages[0].sampling_rate
+    counts = np.zeros(n)
+    for step in range(steps):
+        s = document_sample(7, step, offsets, b, n, 8)
+        counts[s.documents[~s.is_padding]] += 1
+    freq = counts / steps
+    tol = 5 * math.sqrt(q * (1 - q) / steps)
+    assert np.all(np.abs(freq - q) < tol), (freq, q)
+    # Short and long documents alike (a length-weighted sampler would give 0.004 vs 0.38).
+    assert abs(freq[:10].mean() - freq[10:].mean()) < tol
