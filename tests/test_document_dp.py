@@ -87,7 +87,11 @@ def test_ghost_document_norm_is_the_norm_of_the_summed_sequence_gradients(bert, 
     _, sq = jax.jit(lambda p, b: ghost_sq_norms(loss, p, b, keys))(params, batch)
     want = np.array([float(optax.tree.norm(g)) for g in per_document])
     np.testing.assert_allclose(np.sqrt(np.asarray(sq)), want, rtol=2e-5)
-    # ... and the clipped sums of both paths are the per-document reference.
+
+
+def test_both_clipping_paths_clip_each_document_whole(bert):
+    loss, params, batch, per_document = bert
+    want = np.array([float(optax.tree.norm(g)) for g in per_document])
     is_padding = jnp.asarray([False, False, False, True])
     clip_norm = float(np.median(want[:3]))
     ref = _clipped_reference(per_document, np.asarray(is_padding), clip_norm)
@@ -191,3 +195,60 @@ def test_document_sampling_rate_is_what_the_accountant_is_told():
     assert np.all(np.abs(freq - q) < tol), (freq, q)
     # Short and long documents alike (a length-weighted sampler would give 0.004 vs 0.38).
     assert abs(freq[:10].mean() - freq[10:].mean()) < tol
+
+
+def test_document_level_pretraining_replays_exactly_on_resume(tmp_path):
+    """The real loop with documents as units: the ledger says so, and a run resumed from its
+    step-1 checkpoint ends with the same weights as the uninterrupted run (exact replay of the
+    secret document sample and of the sequences chosen within each document)."""
+    import json
+    import shutil
+
+    import yaml
+    from safetensors.numpy import load_file
+
+    from dpbert.train.pretrain import pretrain
+    from tests.tiny_run import seed_file, write_recipe
+
+    path = write_recipe(tmp_path, checkpoint_every=1)
+    recipe = yaml.safe_load(path.read_text())
+    recipe["schedule"] = [{"steps": 2, "expected_batch_size": 4}]
+    recipe["privacy"].update(unit="document", max_sequences_per_document=2)
+    recipe["train"]["keep_checkpoints"] = 3
+    path.write_text(yaml.safe_dump(recipe))
+    kw = dict(progress=False, log=lambda s: None, noise_seed_file=seed_file(tmp_path))
+    from jax.experimental.compilation_cache import compilation_cache as cc
+
+    names = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs")
+    before = {name: getattr(jax.config, name) for name in names}
+    jax.config.update("jax_compilation_cache_dir", str(tmp_path / "jax_cache"))  # the resumed run reuses the programs
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    cc.reset_cache()
+    try:
+        ref = pretrain(path, tmp_path / "ref", **kw)
+        _resume_and_compare(tmp_path, path, ref, kw)
+    finally:
+        for name, value in before.items():
+            jax.config.update(name, value)
+        cc.reset_cache()
+
+
+def _resume_and_compare(tmp_path, path, ref, kw):
+    import json
+    import shutil
+
+    from safetensors.numpy import load_file
+
+    from dpbert.train.pretrain import pretrain
+
+    ledger = json.loads((tmp_path / "ref" / "privacy.json").read_text())
+    assert ledger["privacy_unit"] == "one document" and ledger["max_sequences_per_document"] == 2
+    assert ledger["dataset_size"] == 36  # the 36 train documents of 40 (4 held out), not their sequences
+    assert ledger["stages"][0]["sampling_rate"] == 4 / 36
+    shutil.copytree(tmp_path / "ref", tmp_path / "resumed")
+    shutil.rmtree(tmp_path / "resumed" / "checkpoints" / "2")
+    resumed = pretrain(path, tmp_path / "resumed", resume=True, **kw)
+    assert resumed.steps_done == 2 and resumed.epsilon == ref.epsilon
+    a, b = (load_file(str(tmp_path / d / "hf" / "model.safetensors")) for d in ("ref", "resumed"))
+    for name in a:
+        np.testing.assert_allclose(b[name], a[name], rtol=0, atol=1e-6, err_msg=name)
