@@ -222,8 +222,11 @@ def test_every_shard_of_a_sharded_release_is_hashed(hf_model_dir: Path, tmp_path
     [
         ("delta", 1e-3, "guarantees[0].ledger.delta: 0.001 >= 1/dataset_size = 1/1000 (expected delta < 1/N: a delta "
                         "this large allows publishing an example outright)"),
-        ("privacy_unit", "one document", "guarantees[0].ledger.privacy_unit: 'one document' is not a known privacy "
-                                         "unit (expected 'one example sequence')"),
+        ("privacy_unit", "one user", "guarantees[0].ledger.privacy_unit: 'one user' is not a known privacy "
+                                     "unit (expected one of ['one example sequence', 'one document'])"),
+        ("privacy_unit", "one document", "guarantees[0].ledger.max_sequences_per_document: None (expected an "
+                                         "integer >= 1: a document-level ledger states how many sequences of one "
+                                         "document a step may take)"),
         ("accountant", "gdp", "guarantees[0].ledger.accountant: 'gdp' is not a known accountant (expected one of "
                               "['pld', 'rdp'])"),
     ],

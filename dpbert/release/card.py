@@ -247,18 +247,22 @@ def _checkout_templates() -> Path:
 
 
 def templates_dir() -> Path:
-    """The folder the card templates are loaded from: the installed package `dpbert.model_cards`
-    (inside the wheel, or model_cards/ itself for an editable install), else the checkout's
-    model_cards/. FileNotFoundError when neither holds them."""
+    """The folder the card templates are loaded from: the model_cards/ of the source checkout this
+    dpbert was imported from, else the installed package `dpbert.model_cards` (inside the wheel).
+    FileNotFoundError when neither holds them."""
     import importlib.resources
 
+    # The source tree this dpbert was imported from comes first: an editable install of another
+    # checkout (a second git worktree on the same environment) maps the package to *its* templates.
+    checkout = _checkout_templates()
+    if (checkout / DEFAULT_TEMPLATE).is_file() and (checkout.parent / "pyproject.toml").is_file():
+        return checkout
     try:
         found = importlib.resources.files(TEMPLATE_PACKAGE)
     except ModuleNotFoundError:
         found = None
     if found is not None and found.joinpath(DEFAULT_TEMPLATE).is_file():
         return Path(str(found))
-    checkout = _checkout_templates()
     if (checkout / DEFAULT_TEMPLATE).is_file():
         return checkout
     raise FileNotFoundError(
