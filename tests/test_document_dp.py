@@ -252,3 +252,62 @@ def _resume_and_compare(tmp_path, path, ref, kw):
     a, b = (load_file(str(tmp_path / d / "hf" / "model.safetensors")) for d in ("ref", "resumed"))
     for name in a:
         np.testing.assert_allclose(b[name], a[name], rtol=0, atol=1e-6, err_msg=name)
+    # The release says so, and verify recomputes epsilon and rebuilds the document-level plan.
+    from dpbert.release.verify import verify_folder
+
+    release = tmp_path / "ref" / "release"
+    result = verify_folder(release)
+    assert result.ok, result.problems
+    card = (release / "README.md").read_text()
+    assert "privacy unit: one document: a whole document, at most 2 of its sequences per step" in card
+    assert "privacy_unit: one document" in card.split("---")[1]
+
+
+MESH_SCRIPT = """
+import json
+import jax, jax.numpy as jnp, numpy as np, optax
+from dpbert.privacy import data_mesh, make_dp_train_step, step_key
+from dpbert.privacy.documents import SEQUENCE_PADDING, document_loss
+
+assert jax.device_count() == 4, jax.devices()
+
+def sequence_loss(params, sequence, rng):
+    keep = jax.random.bernoulli(rng, 0.8, sequence["x"].shape)  # per-slot randomness
+    return (jnp.tanh(params["w"] @ (sequence["x"] * keep)) @ params["v"] - sequence["y"]) ** 2
+
+rng = np.random.default_rng(0)
+params = {"w": jnp.asarray(rng.normal(size=(6, 3)), jnp.float32), "v": jnp.asarray(rng.normal(size=6), jnp.float32)}
+docs, cap = 16, 5
+batch = {"x": jnp.asarray(rng.normal(size=(docs, cap, 3)) * 3, jnp.float32),
+         "y": jnp.asarray(rng.normal(size=(docs, cap)), jnp.float32),
+         SEQUENCE_PADDING: jnp.asarray(rng.random((docs, cap)) < 0.3)}
+pad = jnp.asarray(np.arange(docs) >= 13)
+key = step_key(jax.random.key(5), 3)
+out = {}
+for name, mesh, micro in (("one", None, 16), ("one-mb2", None, 2), ("mesh-mb2", data_mesh(), 2), ("mesh-mb1", data_mesh(), 1)):
+    step = make_dp_train_step(document_loss(sequence_loss), optax.sgd(1.0), clip_norm=0.5, noise_multiplier=0.7,
+                              expected_batch_size=10, microbatch_size=micro, mesh=mesh, donate=False)
+    new, _, _ = step(params, optax.sgd(1.0).init(params), batch, pad, key)
+    out[name] = {k: np.asarray(v).tolist() for k, v in new.items()}
+print(json.dumps(out))
+"""
+
+
+def test_document_step_is_the_same_on_any_mesh_and_micro_batch():
+    """Documents as units keep rule 2: the update (noise included) is the same for any micro-batch
+    size and on 4 devices (fresh interpreter: the device count is fixed when jax starts)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu",
+           "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    proc = subprocess.run([sys.executable, "-c", MESH_SCRIPT], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    ref = out.pop("one")
+    for name, got in out.items():
+        for k in ref:
+            np.testing.assert_allclose(got[k], ref[k], rtol=1e-5, atol=1e-6, err_msg=f"{name}/{k}")
