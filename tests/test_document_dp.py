@@ -311,3 +311,29 @@ def test_document_step_is_the_same_on_any_mesh_and_micro_batch():
     for name, got in out.items():
         for k in ref:
             np.testing.assert_allclose(got[k], ref[k], rtol=1e-5, atol=1e-6, err_msg=f"{name}/{k}")
+
+
+def test_store_records_each_documents_sequences_and_refuses_an_empty_document(tmp_path):
+    from dpbert.data.store import DOCUMENTS_SUFFIX, TokenStore, prepare_store
+
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    words = "the president of the united states addresses the congress on the state of the union".split()
+    for d, n in enumerate([5, 40, 90, 12, 60]):
+        (corpus / f"doc{d}.txt").write_text(" ".join(words[i % len(words)] for i in range(n)))
+    manifest = prepare_store(tmp_path / "store", corpus=str(corpus), tokenizer="train", train_vocab_size=60,
+                             seq_len=16, eval_fraction=0.0, num_proc=1)
+    store = TokenStore.open(tmp_path / "store", "train")
+    offsets = check_document_offsets(store.document_offsets())
+    lengths = np.diff(offsets)
+    assert lengths.size == manifest.splits["train"].num_documents == 5 and offsets[-1] == len(store)
+    assert lengths.max() == manifest.splits["train"].max_sequences_per_document
+    # Each document's rows hold its own tokens only, [CLS] first: a row starts every document.
+    cls = manifest.cls_id
+    assert np.all(store[offsets[:-1]][:, 0] == cls)
+    # An empty document (offsets repeat) is refused by the document sampler, naming it.
+    with pytest.raises(ValueError, match="document 2 has no sequence"):
+        check_document_offsets(np.insert(offsets, 2, offsets[2]))
+    (tmp_path / "store" / f"train{DOCUMENTS_SUFFIX}").unlink()
+    with pytest.raises(ValueError, match="predates document-level DP; prepare it again"):
+        store.document_offsets()
