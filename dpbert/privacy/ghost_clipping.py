@@ -30,6 +30,12 @@ nor the accounting (noise is added by the step on the returned sum). One differe
 extreme: a finite gradient whose squared norm overflows float32 (norm > ~1e19) is dropped
 (counted non-finite) here, clipped there; both keep the sensitivity at clip_norm.
 
+Documents (`privacy.unit: document`, `dpbert.privacy.documents`): an example may be a document of
+K sequences (`input_ids` [K, L] and `sequence_padding` [K]); its loss is the sum of its sequences'
+losses, its taps hold all its K L tokens, and every norm above is then that of the document's summed
+gradient (for a dense layer ||sum_{t in S} a_t g_t^T||_F^2 = sum_{t,s in S} (a_t . a_s)(g_t . g_s)
+over the document's token set S; a position row sums the K tokens at its position).
+
 Forward numerics: the tapped forward calls the model's own submodules (Linear, LayerNorm,
 attention, dropout sites), so the loss and its dropout masks are those of the plain loss.
 
