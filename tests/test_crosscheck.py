@@ -151,3 +151,57 @@ def test_empirical_figures_put_jax_privacy_next_to_dpbert():
     assert truth == pytest.approx(7.81, abs=0.01)
     assert 0 < ours < truth and 0 < jp["epsilon_lower_bound"] < truth and 0 < jp["epsilon_lower_bound_fdp"] < truth
     print(f"dpbert {ours:.3g}, jax-privacy {jp['epsilon_lower_bound']:.3g}, {jp['epsilon_lower_bound_fdp']:.3g} f-DP")
+
+
+# Document-level DP and group privacy against jax-privacy's user-level DP-SGD accountant.
+USER_LEVEL_RTOL = 0.01
+
+
+def _document_ledger(stages, n, delta=1e-6, cap=16):
+    return PrivacyLedger.for_schedule(
+        BatchSchedule(stages=tuple(Stage(steps=t, expected_batch_size=b, noise_multiplier=s) for t, b, s in stages)),
+        dataset_size=n, delta=delta, clip_norm=1.0, accountant="pld", privacy_unit="one document",
+        max_sequences_per_document=cap,
+    )
+
+
+@pytest.mark.parametrize("stages, n", [
+    ([(256, 64, 3.097)], 240),  # recipes/tiny_document.yaml's plan (RDP-calibrated sigma), N = 240 speeches
+    ([(64, 120, 2.9)], 240),  # fewer, larger steps: q = 0.5
+    ([(100, 50, 1.2), (100, 200, 2.0)], 10_000),  # a two-stage schedule over 10k documents
+    ([(1000, 1024, 0.9)], 1_000_000),  # many small documents, small q
+], ids=["tiny_document", "q0.5", "two-stages", "1M-documents"])
+def test_document_level_epsilon_matches_jax_privacy_user_level_accountant(stages, n):
+    from dpbert.privacy.crosscheck import jax_privacy_user_level_epsilon
+
+    ledger = _document_ledger(stages, n)
+    ours, theirs = ledger.epsilon(), jax_privacy_user_level_epsilon(ledger)
+    print(f"document-level {stages} N={n}: dpbert {ours:.6g} jax-privacy user-level {theirs:.6g}")
+    assert math.isfinite(ours) and theirs == pytest.approx(ours, rel=USER_LEVEL_RTOL)
+
+
+def test_the_shipped_document_recipe_matches_jax_privacy_user_level_accountant():
+    import dataclasses
+
+    from dpbert.privacy.crosscheck import jax_privacy_user_level_epsilon
+
+    ledger = dataclasses.replace(_recipe_ledger("tiny_document.yaml"), accountant="pld")
+    assert ledger.is_document_level and ledger.dataset_size == 240
+    assert jax_privacy_user_level_epsilon(ledger) == pytest.approx(ledger.epsilon(), rel=USER_LEVEL_RTOL)
+
+
+@pytest.mark.parametrize("group_size", [2, 4])
+def test_group_privacy_matches_jax_privacy_examples_per_user(group_size):
+    """The card's group privacy of a sequence-level ledger is jax-privacy's user-level epsilon with
+    examples_per_user = the group size (the same mixture of Gaussians, computed independently)."""
+    from dpbert.privacy.accounting import CALIBRATION_PLD_DISCRETIZATION, group_epsilon
+    from dpbert.privacy.crosscheck import jax_privacy_user_level_epsilon
+
+    ledger = PrivacyLedger.for_schedule(
+        BatchSchedule(stages=(Stage(steps=200, expected_batch_size=256, noise_multiplier=1.0),)),
+        dataset_size=50_000, delta=1e-6, clip_norm=1.0, accountant="pld",
+    )
+    ours = group_epsilon(ledger, group_size)
+    theirs = jax_privacy_user_level_epsilon(ledger, group_size, discretization=CALIBRATION_PLD_DISCRETIZATION)
+    print(f"group of {group_size}: dpbert {ours:.6g} jax-privacy {theirs:.6g}")
+    assert ours == pytest.approx(theirs, rel=USER_LEVEL_RTOL) and ours >= theirs * (1 - 1e-6)

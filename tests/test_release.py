@@ -227,8 +227,12 @@ def test_privacy_json_holds_the_ledger_and_the_recomputed_epsilon(release: Path)
         "learned_from_private_data": False,
     }
     assert g["randomness"] == {"source": "os-csprng"}
+    from dpbert.privacy.accounting import PrivacyLedger, group_epsilon
+
+    # With the corpus' largest document (7 sequences): what group privacy gives it, by the accountant.
     assert g["unit"] == {"sequence_tokens": 32, "documents": 400, "max_sequences_per_document": 7,
-                         "mean_sequences_per_document": 2.5}
+                         "mean_sequences_per_document": 2.5,
+                         "document_group_epsilon": group_epsilon(PrivacyLedger.from_dict(ledger), 7)}
     assert g["noise"]["coordinates"] > 0 and g["noise"]["sampler"]
     assert data["public_inputs"] == [
         {"input": "dataset_size", "scope": "pretraining", "value": 1000, "source": "rounded"},
@@ -267,7 +271,8 @@ def test_card_metadata_round_trips_through_modelcard_load(release: Path) -> None
     for needed in ("What is protected", "What is not protected", "Vocabulary", "How to reproduce",
                    "Limitations", 'pipeline("fill-mask", model="dpbert-test/tiny-dp")', "dpbert pull",
                    "### What is treated as public", "## Non-private diagnostics",
-                   "one sequence of 32 tokens; a document of this corpus contributes up to 7 sequences (mean 2.5)",
+                   "one sequence of 32 tokens; a document of this corpus has up to 7 sequences (mean 2.5); a whole "
+                   "document of 7 sequences",
                    "1,000 (public: the true count rounded down to 2 significant digits",
                    "os-csprng: the DP noise and sampling come from a secret"):
         assert needed in body, needed

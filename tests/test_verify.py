@@ -55,7 +55,13 @@ def _rewrite(folder: Path, out: Path, *, edit=None, recipe: str | None = None) -
     ledger = copy.deepcopy(dict(g.ledger))
     if edit is not None:
         edit(ledger)
-    g = Guarantee.from_ledger(scope=g.scope, data=g.data, ledger=ledger, randomness=g.randomness, unit=g.unit,
+    unit = dict(g.unit or {})
+    if "document_group_epsilon" in unit:  # the card's group privacy follows the edited ledger
+        from dpbert.release.metadata import document_group_epsilon, epsilon_to_json
+
+        unit["document_group_epsilon"] = epsilon_to_json(
+            document_group_epsilon(ledger, unit["max_sequences_per_document"]))
+    g = Guarantee.from_ledger(scope=g.scope, data=g.data, ledger=ledger, randomness=g.randomness, unit=unit or None,
                               noise=noise_record(ledger, coordinates=(g.noise or {}).get("coordinates")))
     meta = dataclasses.replace(meta, guarantees=(g,), recipe_content=recipe or meta.recipe_content)
     return write_release(out, model=folder, meta=meta, info=INFO)
@@ -222,8 +228,11 @@ def test_every_shard_of_a_sharded_release_is_hashed(hf_model_dir: Path, tmp_path
     [
         ("delta", 1e-3, "guarantees[0].ledger.delta: 0.001 >= 1/dataset_size = 1/1000 (expected delta < 1/N: a delta "
                         "this large allows publishing an example outright)"),
-        ("privacy_unit", "one document", "guarantees[0].ledger.privacy_unit: 'one document' is not a known privacy "
-                                         "unit (expected 'one example sequence')"),
+        ("privacy_unit", "one user", "guarantees[0].ledger.privacy_unit: 'one user' is not a known privacy "
+                                     "unit (expected one of ['one example sequence', 'one document'])"),
+        ("privacy_unit", "one document", "guarantees[0].ledger.max_sequences_per_document: None (expected an "
+                                         "integer >= 1: a document-level ledger states how many sequences of one "
+                                         "document a step may take)"),
         ("accountant", "gdp", "guarantees[0].ledger.accountant: 'gdp' is not a known accountant (expected one of "
                               "['pld', 'rdp'])"),
     ],
@@ -420,11 +429,22 @@ def test_the_token_store_counts_sequences_per_document_and_the_card_states_them(
     shutil.rmtree(run / "store")  # the recipe's store is the real one
     out = export_run(run, tmp_path / "release")
     unit = json.loads((out / "privacy.json").read_text())["guarantees"][0]["unit"]
+    from dpbert.privacy.accounting import PrivacyLedger, group_epsilon
+
+    ledger = json.loads((out / "privacy.json").read_text())["guarantees"][0]["ledger"]
+    whole = group_epsilon(PrivacyLedger.from_dict(ledger), 4)  # the largest document: 4 sequences
     assert unit == {"sequence_tokens": 16, "documents": 5, "max_sequences_per_document": 4,
-                    "mean_sequences_per_document": pytest.approx(2.2)}
-    assert ("| privacy unit | one sequence of 16 tokens; a document of this corpus contributes up to 4 sequences "
-            "(mean 2.2) |") in (out / "README.md").read_text()
+                    "mean_sequences_per_document": pytest.approx(2.2), "document_group_epsilon": whole}
+    assert ("| privacy unit | one sequence of 16 tokens; a document of this corpus has up to 4 sequences "
+            f"(mean 2.2); a whole document of 4 sequences is protected only at epsilon = {whole:.4g} (group "
+            "privacy, computed by dp_accounting as a mixture of Gaussians, same delta) |") in (out / "README.md").read_text()
     assert verify_folder(out).ok
+    # A stated group privacy that is not the accountant's is caught.
+    data = json.loads((out / "privacy.json").read_text())
+    data["guarantees"][0]["unit"]["document_group_epsilon"] = whole / 2
+    (out / "privacy.json").write_text(json.dumps(data))
+    assert any("unit.document_group_epsilon" in p and "group privacy for 4 sequences gives" in p
+               for p in verify_folder(out).problems)
 
     # A store written before these counts: the card says they are unknown.
     run2 = _make_run(tmp_path / "old", hf_model_dir, ledger=plan_ledger(),

@@ -5,6 +5,9 @@ A store is a folder::
     STORE/manifest.json   what is inside (StoreManifest), format version 1
     STORE/train.bin       raw little-endian uint16 (vocab <= 65536) or int32, shape [N_train, seq_len]
     STORE/eval.bin        the same for the held-out documents, shape [N_eval, seq_len]
+    STORE/train.documents.npy, STORE/eval.documents.npy
+                          int64 [D + 1]: document d of the split is rows offsets[d] .. offsets[d+1]-1
+                          (documents in corpus order; an empty document has offsets[d] == offsets[d+1])
     STORE/tokenizer/      the tokenizer the ids belong to (loadable by AutoTokenizer)
 
 Examples are packed by `dpbert.data.packing` (``[CLS] tokens [SEP] [PAD]...``, never spanning two
@@ -25,7 +28,9 @@ Per split, the manifest also records how many sequences a document contributes
 (`max_sequences_per_document`, `mean_sequences_per_document`, the mean over documents that
 contribute at least one sequence), counted while packing: the DP guarantee protects one sequence,
 and these counts say how far that is from protecting a document. Stores written before these
-counts existed read them as None (unknown).
+counts existed read them as None (unknown). The document offsets make the document a unit that
+sampling can use (`privacy.unit: document`); stores written before them have none
+(`TokenStore.document_offsets` then says to rebuild the store).
 """
 
 from __future__ import annotations
@@ -54,6 +59,7 @@ FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 TOKENIZER_DIR = "tokenizer"
 SPLITS = ("train", "eval")
+DOCUMENTS_SUFFIX = ".documents.npy"
 PUBLIC_TOKENIZERS = ("public", "bert-base-uncased")
 # Written into a tokenizer folder by `prepare`, so a vocabulary trained on a private corpus keeps
 # saying so when the folder is reused for another store.
@@ -258,6 +264,20 @@ class TokenStore:
     def attention_mask(self, input_ids: np.ndarray) -> np.ndarray:
         return attention_mask(input_ids, self.manifest.pad_id)
 
+    def document_offsets(self) -> np.ndarray:
+        """int64 [D + 1]: document d of this split is rows offsets[d] .. offsets[d+1]-1 (packing never
+        puts two documents in one row). ValueError for a store written before the offsets existed."""
+        file = self.path / f"{self.split}{DOCUMENTS_SUFFIX}"
+        if not file.is_file():
+            raise ValueError(
+                f"token store {self.path} has no document offsets ({file.name}): it predates document-level "
+                "DP; prepare it again (delete the folder, or point data.store at a new one)"
+            )
+        offsets = np.load(file)
+        if offsets.ndim != 1 or offsets.size < 1 or offsets[0] != 0 or offsets[-1] != len(self) or np.any(np.diff(offsets) < 0):
+            raise ValueError(f"token store file {file} is corrupted: not offsets 0 .. {len(self)} of this split's rows")
+        return offsets.astype(np.int64)
+
 
 def eval_document_indices(num_documents: int, eval_fraction: float, seed: int) -> frozenset[int]:
     """The held-out document indices when the corpus size is known.
@@ -440,6 +460,8 @@ def prepare(
         counts = {split: {"num_examples": 0, "num_documents": 0, "num_tokens": 0} for split in SPLITS}
         # Sequences per document, for the card's statement of what one privacy unit is.
         max_per_document = dict.fromkeys(SPLITS, 0)
+        # Sequences of each document, in order: the document offsets of the split.
+        per_document: dict[str, list[int]] = {split: [] for split in SPLITS}
         contributing = dict.fromkeys(SPLITS, 0)
         corpus_hash = hashlib.sha256()
         seen_documents = 0
@@ -453,6 +475,7 @@ def prepare(
                     _write_examples(files[split], examples, dtype)
                     counts[split]["num_examples"] += examples.shape[0]
                     counts[split]["num_documents"] += 1
+                    per_document[split].append(int(examples.shape[0]))
                     counts[split]["num_tokens"] += int(np.count_nonzero(examples != special["pad_id"]))
                     if examples.shape[0]:
                         contributing[split] += 1
@@ -501,6 +524,9 @@ def prepare(
             request=dict(request or {}),
             **special,
         )
+        for split in SPLITS:
+            offsets = np.concatenate([[0], np.cumsum(np.asarray(per_document[split], dtype=np.int64))])
+            np.save(partial / f"{split}{DOCUMENTS_SUFFIX}", offsets.astype(np.int64))
         (partial / MANIFEST).write_text(json.dumps(manifest.to_dict(), indent=2) + "\n")
         _fsync_dir(partial)
         if out.exists():

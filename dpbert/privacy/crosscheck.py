@@ -19,6 +19,14 @@ float32 (measured on the BERT-Large recipe: epsilon 19.3 instead of 5.35; for on
 of 0.377). Truncation to a physical batch size is not passed: dpbert accounts for it in delta
 (`PrivacyLedger.truncation_delta`), not in epsilon.
 
+`jax_privacy_user_level_epsilon(ledger, group_size=None)`: jax-privacy's user-level DP-SGD accountant
+(`DpsgdTrainingUserLevelAccountant`, PLD only: a mixture of Gaussians whose sensitivity j ~
+Binomial(examples_per_user, q) counts the user's sampled examples). For a document-level ledger (one
+document sampled as a unit, its summed gradient clipped to C: user-level sampling with user-level
+clipping) a document is one unit of the Poisson sample, so `examples_per_user` = 1 and `num_samples` = N
+documents; for a sequence-level ledger and `group_size` k it is the epsilon of a group of k sequences
+(`examples_per_user` = k), which `dpbert.privacy.accounting.group_epsilon` computes on its own.
+
 `jax_privacy_audit_figures(scores, included, ...)`: the auditor's AUROC, maximum TPR at low FPRs, its
 one-run epsilon lower bound (Steinke, Nasr, Jagielski 2023, one-sided guesses, Bonferroni over its
 thresholds) and its f-DP one-run bound (Mahloujifar, Melis, Chaudhuri 2024, which tests the Gaussian
@@ -97,6 +105,27 @@ def jax_privacy_epsilon(ledger: PrivacyLedger | Mapping[str, Any]) -> float:
     )
     accountant = DpsgdTrainingAccountant(config)
     return float(accountant.compute_epsilon(ledger.total_steps, jax_privacy_params(ledger)))
+
+
+def jax_privacy_user_level_epsilon(ledger: PrivacyLedger | Mapping[str, Any], group_size: int | None = None,
+                                   *, discretization: float = PLD_DISCRETIZATION) -> float:
+    """Epsilon at the ledger's delta from jax-privacy's `DpsgdTrainingUserLevelAccountant` (PLD at
+    `discretization`): of one document for a document-level ledger (`group_size` None), of a group of
+    `group_size` sequences for a sequence-level one (see the module docstring)."""
+    _require()
+    from jax_privacy.accounting import DpsgdTrainingUserLevelAccountant, PldAccountantConfig
+
+    if not isinstance(ledger, PrivacyLedger):
+        ledger = PrivacyLedger.from_dict(ledger)
+    if ledger.is_document_level == (group_size is not None):
+        raise ValueError("group_size: give it for a sequence-level ledger (a group of sequences) and only then; "
+                         "a document-level ledger's unit is already one document")
+    if any(s.noise_multiplier == 0 for s in ledger.stages):
+        return math.inf
+    params = jax_privacy_params(ledger)
+    object.__setattr__(params, "examples_per_user", 1 if group_size is None else int(group_size))
+    accountant = DpsgdTrainingUserLevelAccountant(PldAccountantConfig(value_discretization_interval=discretization))
+    return float(accountant.compute_epsilon(ledger.total_steps, params))
 
 
 def jax_privacy_audit_figures(

@@ -30,6 +30,12 @@ nor the accounting (noise is added by the step on the returned sum). One differe
 extreme: a finite gradient whose squared norm overflows float32 (norm > ~1e19) is dropped
 (counted non-finite) here, clipped there; both keep the sensitivity at clip_norm.
 
+Documents (`privacy.unit: document`, `dpbert.privacy.documents`): an example may be a document of
+K sequences (`input_ids` [K, L] and `sequence_padding` [K]); its loss is the sum of its sequences'
+losses, its taps hold all its K L tokens, and every norm above is then that of the document's summed
+gradient (for a dense layer ||sum_{t in S} a_t g_t^T||_F^2 = sum_{t,s in S} (a_t . a_s)(g_t . g_s)
+over the document's token set S; a position row sums the K tokens at its position).
+
 Forward numerics: the tapped forward calls the model's own submodules (Linear, LayerNorm,
 attention, dropout sites), so the loss and its dropout masks are those of the plain loss.
 
@@ -59,6 +65,7 @@ from dpbert.model.bert import BertForMaskedLM
 from dpbert.model.functional import merge
 from dpbert.privacy.clipping import ClipStats, clip_scale, example_keys, scan_microbatches
 from dpbert.privacy.clipping import clipped_grad_sum as clipped_grad_sum_vmap
+from dpbert.privacy.documents import SEQUENCE_PADDING
 from dpbert.privacy.tuning import best_seconds, placeholder
 
 Path = tuple[Any, ...]
@@ -116,13 +123,19 @@ def _tapped_mlm_forward(model: BertForMaskedLM, example: dict[str, jax.Array], r
                         z: dict[str, Any] | None) -> tuple[jax.Array, dict[str, Any], dict[str, Any]]:
     """(logits [P, V], tap inputs, tap output shapes) of ONE example: the model's own computation
     with taps (batch axis of 1 inside, exactly like `functional.mlm_logits` on an unbatched
-    example); the encoder runs the model's scanned layer body, taps inside."""
+    example); the encoder runs the model's scanned layer body, taps inside.
+
+    A document example (`input_ids` [K, L]: K sequences, see `dpbert.privacy.documents`) runs
+    as a batch of K inside and gives logits [K, P, V]: its taps hold all the document's tokens,
+    so the per-example norms below are those of the document's summed gradient."""
     tape = _Tape(None if z is None else z[_REST])
-    ids = example["input_ids"][None]
+    document = example["input_ids"].ndim == 2
+    batched = (lambda x: x) if document else (lambda x: x[None])
+    ids = batched(example["input_ids"])
     types = example.get("token_type_ids")
-    types = jnp.zeros_like(ids) if types is None else types[None]
+    types = jnp.zeros_like(ids) if types is None else batched(types)
     mask = example.get("attention_mask")
-    mask = bert_lib._attention_mask(None if mask is None else mask[None])
+    mask = bert_lib._attention_mask(None if mask is None else batched(mask))
     emb = model.bert.embeddings
     seq_len = ids.shape[-1]
     x = (
@@ -149,7 +162,7 @@ def _tapped_mlm_forward(model: BertForMaskedLM, example: dict[str, jax.Array], r
 
     positions = example.get("masked_positions")
     if positions is not None:
-        x = jnp.take_along_axis(x, positions[None, :, None], axis=1)
+        x = jnp.take_along_axis(x, batched(positions)[:, :, None], axis=1)
     head = model.cls.predictions
     tr = head.transform
     x = bert_lib.ACTIVATIONS[tr.hidden_act](tape.dense(_key(("cls", "predictions", "transform", "dense")), tr.dense, x))
@@ -160,7 +173,8 @@ def _tapped_mlm_forward(model: BertForMaskedLM, example: dict[str, jax.Array], r
     else:
         logits = head.decoder(x)
     logits = tape.out("logits", logits + head.bias[...].astype(head.dtype), x)
-    return logits[0], {_REST: tape.inputs, _LAYERS: layer_inputs}, {_REST: tape.outputs, _LAYERS: layer_outputs}
+    logits = logits if document else logits[0]
+    return logits, {_REST: tape.inputs, _LAYERS: layer_inputs}, {_REST: tape.outputs, _LAYERS: layer_outputs}
 
 
 # ---------------------------------------------------------------------------- per-layer algebra
@@ -297,7 +311,13 @@ class MLMGhostLoss:
         if not isinstance(model, BertForMaskedLM):
             raise ValueError(f"graphdef: expected a BertForMaskedLM, got {type(model).__name__}")
         logits, inputs, outputs = _tapped_mlm_forward(model, example, rng, z)
-        return self.loss_from_logits(logits, example), inputs, outputs
+        if SEQUENCE_PADDING not in example:
+            return self.loss_from_logits(logits, example), inputs, outputs
+        # A document: the sum of its real sequences' losses (`dpbert.privacy.documents`).
+        padding = example[SEQUENCE_PADDING]
+        sequences = {k: v for k, v in example.items() if k != SEQUENCE_PADDING}
+        losses = jax.vmap(self.loss_from_logits)(logits, sequences)
+        return jnp.sum(jnp.where(padding, 0.0, losses.astype(_F32))), inputs, outputs
 
     def _tap_sq_norms(self, inputs: dict[str, Any], grads: dict[str, jax.Array]
                       ) -> tuple[jax.Array | float, dict[Path, jax.Array]]:
@@ -347,9 +367,10 @@ class MLMGhostLoss:
     ) -> tuple[jax.Array, dict[Path, jax.Array]]:
         """(squared norms of the word and position tables, tied decoder included; the per-example
         token-type and MLM-bias gradients, whose norms the caller adds)."""
-        ids = inputs["embeddings"]["ids"].reshape(grads["embeddings"].shape[0], -1)
+        m, seq_len = grads["embeddings"].shape[0], inputs["embeddings"]["ids"].shape[-1]
+        ids = inputs["embeddings"]["ids"].reshape(m, -1)
         types = inputs["embeddings"]["types"].reshape(ids.shape)
-        g = _flat(grads["embeddings"])  # [M, L, H]: gradient of each lookup's output row
+        g = _flat(grads["embeddings"])  # [M, T, H]: gradient of each lookup's output row (T = K L tokens)
         e = _flat(grads["logits"])  # [M, P, V]: gradient of the logits
         x = _flat(inputs["logits"])  # [M, P, H]: decoder input
         n_types = params["bert"]["embeddings"]["token_type_embeddings"]["embedding"].shape[0]
@@ -357,8 +378,9 @@ class MLMGhostLoss:
             _TYPE_TABLE: jnp.einsum("mtk,mth->mkh", jax.nn.one_hot(types, n_types, dtype=_F32), g),
             _MLM_BIAS: jnp.sum(e, axis=1),
         }
-        # Position rows 0..L-1 each receive one token's gradient.
-        total = _sq(g)
+        # Position row p receives the gradients of the tokens at position p of each of the
+        # example's K sequences (K = 1 for a sequence, up to max_sequences_per_document for a document).
+        total = _sq(jnp.sum(g.reshape(m, -1, seq_len, g.shape[-1]), axis=1))
         # Each word-table row receives the sum of its tokens' gradients: add every token's gradient
         # at its id's first position (an L x L id comparison and a scatter; the L^2 H Gram of g
         # it replaces took 1.6x longer on CPU for tiny BERT).
@@ -420,6 +442,7 @@ class MLMGhostLoss:
         """sum_i w_i grad_i of the word and position tables and of the untied decoder."""
         out = {}
         m = w.shape[0]
+        seq_len = inputs["embeddings"]["ids"].shape[-1]
         ids = inputs["embeddings"]["ids"].reshape(m, -1)
         g = _flat(grads["embeddings"]) * w[:, None, None]
         e = _flat(grads["logits"])
@@ -427,7 +450,6 @@ class MLMGhostLoss:
         emb = params["bert"]["embeddings"]
         table = emb["word_embeddings"]["embedding"]
         pos_table = emb["position_embeddings"]["embedding"]
-        seq_len = ids.shape[1]
         word = jnp.zeros(table.shape, _F32).at[ids.reshape(-1)].add(g.reshape(-1, g.shape[-1]))
         decoder = jnp.einsum("mpv,mph->vh", e, x)
         if self._tied(params):
@@ -436,7 +458,7 @@ class MLMGhostLoss:
             out[("cls", "predictions", "decoder", "kernel")] = decoder.T
         out[("bert", "embeddings", "word_embeddings", "embedding")] = word
         out[("bert", "embeddings", "position_embeddings", "embedding")] = (
-            jnp.zeros(pos_table.shape, _F32).at[:seq_len].set(jnp.sum(g, axis=0))
+            jnp.zeros(pos_table.shape, _F32).at[:seq_len].set(jnp.sum(g.reshape(-1, seq_len, g.shape[-1]), axis=0))
         )
         return out
 

@@ -17,7 +17,8 @@ tested by a full noise draw of the model's size; a 128-bit Threefry-4x32 chain f
 dropout was measured to make XLA's compile of the masking alone take over 100 s (vs 4 s).
 
 The step key is split by `fold_in` with fixed constants into a sampling key (which examples
-join the batch), an example key (per-example masking and dropout: example i of the physical
+join the batch), a document-sequences key (with `privacy.unit: document`, which sequences of
+each sampled document are taken), an example key (per-example masking and dropout: example i of the physical
 batch gets fold_in(example_key, i)) and a noise key (the Gaussian noise on the summed
 gradient).
 
@@ -49,6 +50,8 @@ from dpbert.atomic import write_text
 SAMPLING = 0
 EXAMPLE = 1
 NOISE = 2
+# Document-level DP: which sequences of each sampled document are taken (secret, like SAMPLING).
+DOCUMENT_SEQUENCES = 3
 NOISE_KEY_IMPL = "threefry4x32"
 MECHANISM_KEY_IMPL = "threefry2x32"
 SECRET_BYTES = 32

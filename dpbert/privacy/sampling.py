@@ -15,6 +15,15 @@ truncation term to delta (see `accounting.PrivacyLedger.truncation_delta`).
 Guarantees: the sample of step t is a pure function of (key, t, N, B, physical size): replays
 and every host agree. Process p of P gets the contiguous slice p of the physical batch (whose
 size must be divisible by P); the union over processes is the global batch.
+
+Document-level DP (`document_sample`): the units of the Poisson sample are documents, given
+by `document_offsets` (document d holds sequences offsets[d] .. offsets[d+1]-1; the public N
+is the number of documents sampled from). Each sampled document then contributes at most
+`max_sequences_per_document` of its sequences, a uniformly random subset when it has more,
+drawn from the step key's DOCUMENT_SEQUENCES stream (secret, like the sample itself). The
+batch is [physical documents, max_sequences_per_document] sequence indices with a sequence
+padding mask; a document's rows are clipped together (`dpbert.privacy.documents`), so the
+accountant's unit is the document and its sampling rate is B / N documents.
 """
 
 from __future__ import annotations
@@ -25,7 +34,7 @@ import jax
 import numpy as np
 
 from dpbert.privacy.accounting import overflow_probability, sampling_rate
-from dpbert.privacy.randomness import SAMPLING, step_key
+from dpbert.privacy.randomness import DOCUMENT_SEQUENCES, SAMPLING, step_key
 
 # Default per-step overflow bound: with 1e5 steps and epsilon 10 the truncation adds < 1e-11
 # to delta, while the margin costs ~9.5 standard deviations (0.7% of B = 2M).
@@ -73,11 +82,11 @@ def physical_batch_size(
     return -(-lo // multiple) * multiple
 
 
-def _generator(key: jax.Array | int, step: int) -> np.random.Generator:
-    """A numpy generator determined by (key, step): fold_in(run_key, step) then SAMPLING."""
+def _generator(key: jax.Array | int, step: int, stream: int = SAMPLING) -> np.random.Generator:
+    """A numpy generator determined by (key, step, stream): fold_in(run_key, step) then `stream`."""
     if isinstance(key, int | np.integer):
-        return np.random.default_rng([int(key), int(step), SAMPLING])
-    k = jax.random.fold_in(step_key(key, step), SAMPLING)
+        return np.random.default_rng([int(key), int(step), stream])
+    k = jax.random.fold_in(step_key(key, step), stream)
     data = jax.random.key_data(k) if jax.dtypes.issubdtype(k.dtype, jax.dtypes.prng_key) else k
     return np.random.default_rng(np.asarray(data, dtype=np.uint32).ravel().tolist())
 
@@ -141,3 +150,90 @@ def poisson_sample(
         indices=indices[part], is_padding=is_padding[part], realized_size=size, truncated=truncated
     )
 
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DocumentBatch:
+    """This process's share of one step's Poisson sample of documents.
+
+    indices: int64 [physical documents // process_count, max_sequences_per_document], the store
+    indices of each sampled document's taken sequences (0 in unused slots). sequence_padding:
+    bool, same shape, True in unused slots (a short document, or a padding document).
+    is_padding: bool [physical documents // process_count], True for padding documents.
+    documents: int64, the document number of each row (0 for padding). realized_size: documents
+    in the *global* sample after truncation (non-private diagnostic). truncated: whether the
+    document sample was truncated at the physical size.
+    """
+
+    indices: np.ndarray
+    sequence_padding: np.ndarray
+    is_padding: np.ndarray
+    documents: np.ndarray
+    realized_size: int
+    truncated: bool
+
+
+def check_document_offsets(offsets: np.ndarray) -> np.ndarray:
+    """`offsets` as int64 [D + 1] (document d = sequences offsets[d] .. offsets[d+1]-1), or
+    ValueError: not starting at 0, decreasing, or with an empty document (a document without a
+    sequence cannot be a unit of document-level DP: remove it from the corpus)."""
+    offsets = np.asarray(offsets)
+    if offsets.ndim != 1 or offsets.size < 2 or offsets.dtype.kind not in "iu":
+        raise ValueError("document offsets: expected an integer array [num_documents + 1] with at least one document")
+    offsets = offsets.astype(np.int64)
+    if offsets[0] != 0:
+        raise ValueError(f"document offsets: must start at 0, got {offsets[0]}")
+    lengths = np.diff(offsets)
+    empty = np.flatnonzero(lengths <= 0)
+    if empty.size:
+        raise ValueError(
+            f"document {int(empty[0])} has no sequence ({empty.size} empty document(s) in all): every document of "
+            "document-level DP must contribute at least one sequence; remove empty documents from the corpus"
+        )
+    return offsets
+
+
+def document_sample(
+    key: jax.Array | int,
+    step: int,
+    document_offsets: np.ndarray,
+    expected_batch_size: int,
+    physical_batch_size: int,
+    max_sequences_per_document: int,
+    *,
+    num_documents: int | None = None,
+    process_index: int = 0,
+    process_count: int = 1,
+) -> DocumentBatch:
+    """Step `step`'s Poisson sample of documents (rate expected_batch_size / num_documents) and
+    up to `max_sequences_per_document` uniformly chosen sequences of each, this process's share.
+
+    `num_documents` (default: all) is the public N: only the first N documents are sampled.
+    `expected_batch_size` and `physical_batch_size` count documents."""
+    offsets = check_document_offsets(document_offsets)
+    n = offsets.size - 1 if num_documents is None else num_documents
+    if not 1 <= n <= offsets.size - 1:
+        raise ValueError(f"num_documents={num_documents} must be in [1, {offsets.size - 1}]")
+    if isinstance(max_sequences_per_document, bool) or max_sequences_per_document < 1:
+        raise ValueError(f"max_sequences_per_document must be >= 1, got {max_sequences_per_document!r}")
+    docs = poisson_sample(key, step, n, expected_batch_size, physical_batch_size)
+    rng = _generator(key, step, DOCUMENT_SEQUENCES)
+    cap = max_sequences_per_document
+    indices = np.zeros((physical_batch_size, cap), dtype=np.int64)
+    sequence_padding = np.ones((physical_batch_size, cap), dtype=bool)
+    for row in range(docs.realized_size):
+        d = int(docs.indices[row])
+        start, length = int(offsets[d]), int(offsets[d + 1] - offsets[d])
+        taken = np.arange(length) if length <= cap else np.sort(rng.choice(length, size=cap, replace=False))
+        indices[row, : taken.size] = start + taken
+        sequence_padding[row, : taken.size] = False
+    if process_count < 1 or not 0 <= process_index < process_count or physical_batch_size % process_count:
+        raise ValueError(f"process_index={process_index}, process_count={process_count}: the physical batch "
+                         f"{physical_batch_size} must divide evenly over the processes")
+    share = physical_batch_size // process_count
+    part = slice(process_index * share, (process_index + 1) * share)
+    documents = np.where(docs.is_padding, 0, docs.indices)
+    return DocumentBatch(
+        indices=indices[part], sequence_padding=sequence_padding[part], is_padding=docs.is_padding[part],
+        documents=documents[part], realized_size=docs.realized_size, truncated=docs.truncated,
+    )

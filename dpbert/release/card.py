@@ -38,7 +38,15 @@ from typing import Any
 
 import yaml
 
-from dpbert.release.metadata import OS_CSPRNG, PRIVACY_UNIT, SUPPLIED_FILE, Guarantee, ReleaseMetadata
+from dpbert.release.metadata import (
+    DOCUMENT_UNIT,
+    OS_CSPRNG,
+    PRIVACY_UNIT,
+    SUPPLIED_FILE,
+    Guarantee,
+    ReleaseMetadata,
+    epsilon_from_json,
+)
 
 CARD_FILE = "README.md"
 DEFAULT_TEMPLATE = "bert_mlm.md.j2"
@@ -153,23 +161,53 @@ _DATASET_SIZE_SOURCES = {
 def dataset_size_text(g: Guarantee) -> str:
     """'37,000 (public: the true count rounded down ...)' for a guarantee with a ledger."""
     n = (g.ledger or {}).get("dataset_size")
-    return f"{_count(n)} (public: {_DATASET_SIZE_SOURCES.get(str(g.dataset_size_source), str(g.dataset_size_source))})"
+    source = _DATASET_SIZE_SOURCES.get(str(g.dataset_size_source), str(g.dataset_size_source))
+    if (g.ledger or {}).get("privacy_unit") == DOCUMENT_UNIT:
+        return f"{_count(n)} documents (public: {source.replace('sequences', 'documents')})"
+    return f"{_count(n)} (public: {source})"
 
 
 def unit_text(g: Guarantee) -> str:
-    """What one privacy unit is for this corpus: sequence length and sequences per document."""
+    """What one privacy unit is for this corpus: sequence length and sequences per document; for a
+    sequence-level guarantee also what group privacy gives a whole document of the largest size."""
     unit = g.unit or {}
+    ledger = g.ledger or {}
     tokens = unit.get("sequence_tokens")
-    if not unit or tokens is None:
-        return str((g.ledger or {}).get("privacy_unit", PRIVACY_UNIT))
-    text = f"one sequence of {tokens} tokens"
+    cap = ledger.get("max_sequences_per_document")
+    if ledger.get("privacy_unit") == DOCUMENT_UNIT:
+        text = (f"one document, all its sequences{'' if tokens is None else f' of {tokens} tokens'} together "
+                f"(at most {_count(cap)} of them, chosen at random, enter a step; their summed gradient is clipped as one)")
+    elif g.scope.startswith("fine-tuning"):
+        return (f"{ledger.get('privacy_unit', PRIVACY_UNIT)}: one task example, which is a whole document here "
+                "(a GLUE example is one sentence or sentence pair)")
+    elif not unit or tokens is None:
+        return str(ledger.get("privacy_unit", PRIVACY_UNIT))
+    else:
+        text = f"one sequence of {tokens} tokens"
     most, mean = unit.get("max_sequences_per_document"), unit.get("mean_sequences_per_document")
     if most is None or mean is None:
         return (
             f"{text}; how many sequences a document of this corpus contributes is unknown "
             "(its token store predates these counts)"
         )
-    return f"{text}; a document of this corpus contributes up to {_count(most)} sequences (mean {_count(float(mean))})"
+    text = f"{text}; a document of this corpus has up to {_count(most)} sequences (mean {_count(float(mean))})"
+    group = document_group_text(g)
+    return text if group is None else f"{text}; {group}"
+
+
+def document_group_text(g: Guarantee) -> str | None:
+    """For a sequence-level guarantee: the epsilon group privacy gives a whole document of the
+    corpus' largest size (None when not recorded)."""
+    unit = g.unit or {}
+    if "document_group_epsilon" not in unit or (g.ledger or {}).get("privacy_unit") == DOCUMENT_UNIT:
+        return None
+    eps = epsilon_from_json(unit["document_group_epsilon"], "unit.document_group_epsilon")
+    most = _count(unit.get("max_sequences_per_document"))
+    if math.isinf(eps):
+        return (f"a whole document of {most} sequences has NO meaningful guarantee (group privacy computed by "
+                "dp_accounting gives no epsilon below 100)")
+    return (f"a whole document of {most} sequences is protected only at epsilon = {eps:.4g} (group privacy, computed "
+            "by dp_accounting as a mixture of Gaussians, same delta)")
 
 
 def randomness_text(g: Guarantee) -> str:
@@ -209,18 +247,22 @@ def _checkout_templates() -> Path:
 
 
 def templates_dir() -> Path:
-    """The folder the card templates are loaded from: the installed package `dpbert.model_cards`
-    (inside the wheel, or model_cards/ itself for an editable install), else the checkout's
-    model_cards/. FileNotFoundError when neither holds them."""
+    """The folder the card templates are loaded from: the model_cards/ of the source checkout this
+    dpbert was imported from, else the installed package `dpbert.model_cards` (inside the wheel).
+    FileNotFoundError when neither holds them."""
     import importlib.resources
 
+    # The source tree this dpbert was imported from comes first: an editable install of another
+    # checkout (a second git worktree on the same environment) maps the package to *its* templates.
+    checkout = _checkout_templates()
+    if (checkout / DEFAULT_TEMPLATE).is_file() and (checkout.parent / "pyproject.toml").is_file():
+        return checkout
     try:
         found = importlib.resources.files(TEMPLATE_PACKAGE)
     except ModuleNotFoundError:
         found = None
     if found is not None and found.joinpath(DEFAULT_TEMPLATE).is_file():
         return Path(str(found))
-    checkout = _checkout_templates()
     if (checkout / DEFAULT_TEMPLATE).is_file():
         return checkout
     raise FileNotFoundError(
@@ -255,6 +297,7 @@ def _environment() -> Any:
     env.filters["count"] = _count
     env.filters["dataset_size_text"] = dataset_size_text
     env.filters["unit_text"] = unit_text
+    env.filters["document_group_text"] = document_group_text
     env.filters["randomness_text"] = randomness_text
     env.filters["noise_text"] = noise_text
     env.filters["cell"] = _cell

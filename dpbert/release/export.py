@@ -267,7 +267,8 @@ def export_run(
             ledger=ledger,
             randomness=_randomness(run_dir),
             noise=noise_record(ledger, coordinates=count_parameters(hf_dir)),
-            unit=unit_record(sequence_tokens=seq_len, split=((manifest or {}).get("splits") or {}).get("train")),
+            unit=unit_record(sequence_tokens=seq_len, split=((manifest or {}).get("splits") or {}).get("train"),
+                             ledger=ledger),
         )
     elif non_private:
         guarantee = Guarantee.non_private(scope="pretraining", data=data_desc)

@@ -4,7 +4,8 @@ A release carries one or more *guarantees*, each for its own data: a pretrained 
 ("pretraining"), a model fine-tuned from it can add a second ("fine-tuning (TASK)") for the task data.
 Each guarantee holds the full privacy ledger of the run that consumed that data (the
 `PrivacyLedger.to_dict()` of `dpbert.privacy.accounting`: accountant, delta, dataset size N and where
-that public number came from, clip norm, Poisson sampling, privacy unit = one example sequence, and per
+that public number came from, clip norm, Poisson sampling, privacy unit = one example sequence or one
+document (then with `max_sequences_per_document`, and N counts documents), and per
 stage the sampling rate, expected batch size, noise multiplier, physical batch size and steps), so anyone
 can recompute epsilon from it. A guarantee without a ledger is a non-private use of that data: epsilon is
 infinity, and the release as a whole is private only if every guarantee is.
@@ -26,7 +27,8 @@ sequence length and how many sequences a document contributes, at most and on av
                                "tail_bound": float | null} | null,
                      "unit": {"sequence_tokens": int | null, "documents": int | null,
                               "max_sequences_per_document": int | null,
-                              "mean_sequences_per_document": float | null} | null}],
+                              "mean_sequences_per_document": float | null,
+                              "document_group_epsilon": float | "inf" (sequence-level only)} | null}],
      "recipe": {"name": str, "sha256": str, "content": str} | null,
      "weights": {FILE: sha256, ...},
      "vocabulary": {"origin": str, "covered": bool, "learned_from_private_data": bool | null},
@@ -63,6 +65,7 @@ import dpbert
 FORMAT = "dpbert-privacy/1"
 PRIVACY_FILE = "privacy.json"
 PRIVACY_UNIT = "one example sequence"
+DOCUMENT_UNIT = "one document"
 # Where the randomness of a DP mechanism came from (`dpbert.privacy.randomness`); anything else,
 # a missing record included, is unknown.
 OS_CSPRNG = "os-csprng"
@@ -205,17 +208,37 @@ def noise_record(ledger: Mapping[str, Any], *, coordinates: int | None) -> dict[
     }
 
 
-def unit_record(*, sequence_tokens: int | None, split: Mapping[str, Any] | None) -> dict[str, Any]:
+def unit_record(*, sequence_tokens: int | None, split: Mapping[str, Any] | None,
+                ledger: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """The `unit` of a pretraining guarantee from the token store's train split (manifest
     `splits.train`): sequence length, documents, and sequences per document (None where the
-    store predates the counts)."""
+    store predates the counts). With a sequence-level `ledger` and a known largest document,
+    also `document_group_epsilon`: the epsilon, at the ledger's delta, that group privacy gives
+    a whole document of the largest size (`dpbert.privacy.accounting.group_epsilon`, computed by
+    dp_accounting; "inf" when it gives no epsilon below 100, i.e. no meaningful guarantee)."""
     split = split or {}
-    return {
+    out = {
         "sequence_tokens": sequence_tokens,
         "documents": split.get("num_documents"),
         "max_sequences_per_document": split.get("max_sequences_per_document"),
         "mean_sequences_per_document": split.get("mean_sequences_per_document"),
     }
+    most = out["max_sequences_per_document"]
+    if ledger is not None and ledger.get("privacy_unit", PRIVACY_UNIT) == PRIVACY_UNIT and most:
+        out["document_group_epsilon"] = epsilon_to_json(document_group_epsilon(ledger, int(most)))
+    return out
+
+
+@functools.lru_cache(maxsize=32)
+def _group_epsilon(ledger_json: str, group_size: int) -> float:
+    from dpbert.privacy.accounting import PrivacyLedger, group_epsilon
+
+    return group_epsilon(PrivacyLedger.from_dict(json.loads(ledger_json)), group_size)
+
+
+def document_group_epsilon(ledger: Mapping[str, Any], group_size: int) -> float:
+    """Group privacy of a sequence-level ledger for `group_size` sequences (cached per ledger)."""
+    return _group_epsilon(json.dumps(dict(ledger), sort_keys=True), group_size)
 
 
 def _optional_mapping(item: Mapping[str, Any], key: str, field: str) -> Mapping[str, Any] | None:
@@ -328,6 +351,8 @@ class Guarantee:
                 delta=self.delta,
                 accountant=self.accountant,
                 privacy_unit=self.ledger.get("privacy_unit", PRIVACY_UNIT),
+                **({"max_sequences_per_document": self.ledger["max_sequences_per_document"]}
+                   if self.ledger.get("max_sequences_per_document") is not None else {}),
                 sampling=self.ledger.get("sampling", "poisson"),
                 dataset_size=self.ledger.get("dataset_size"),
                 dataset_size_source=self.dataset_size_source,

@@ -3,7 +3,8 @@
 `verify_folder` checks, and names the file and field of each failure with what was expected:
 
 1. **The ledgers are well formed** (`privacy.json`, each guarantee's `ledger`): a known accountant
-   (pld, rdp), privacy unit (one example sequence), sampling (poisson) and neighbouring relation; at
+   (pld, rdp), privacy unit (one example sequence, or one document with its `max_sequences_per_document`),
+   sampling (poisson) and neighbouring relation; at
    least one stage, each of at least one step; an integer dataset size N >= 1 and delta < 1/N; a known
    `dataset_size_source`.
 2. **Epsilon is recomputed** from each ledger (stages of Poisson sampling rate, noise multiplier and
@@ -196,15 +197,30 @@ def _show(value: Any, other: Any = None) -> str:
 
 def _ledger_problems(field: str, ledger: Mapping[str, Any]) -> list[str]:
     """Structural problems of one ledger; `field` is e.g. '.../privacy.json: guarantees[0].ledger'."""
-    from dpbert.privacy.accounting import ACCOUNTANTS, DATASET_SIZE_SOURCES, NEIGHBORING_RELATION, SAMPLING
+    from dpbert.privacy.accounting import (
+        ACCOUNTANTS,
+        DATASET_SIZE_SOURCES,
+        DOCUMENT_UNIT,
+        NEIGHBORING_RELATION,
+        PRIVACY_UNITS,
+        SAMPLING,
+    )
 
     problems = []
     if ledger.get("accountant") not in ACCOUNTANTS:
         problems.append(f"{field}.accountant: {ledger.get('accountant')!r} is not a known accountant "
                         f"(expected one of {list(ACCOUNTANTS)})")
-    if ledger.get("privacy_unit", PRIVACY_UNIT) != PRIVACY_UNIT:
+    unit = ledger.get("privacy_unit", PRIVACY_UNIT)
+    cap = ledger.get("max_sequences_per_document")
+    if unit not in PRIVACY_UNITS:
         problems.append(f"{field}.privacy_unit: {ledger.get('privacy_unit')!r} is not a known privacy unit "
-                        f"(expected {PRIVACY_UNIT!r})")
+                        f"(expected one of {list(PRIVACY_UNITS)})")
+    elif unit == DOCUMENT_UNIT and (isinstance(cap, bool) or not isinstance(cap, int) or cap < 1):
+        problems.append(f"{field}.max_sequences_per_document: {cap!r} (expected an integer >= 1: a document-level "
+                        "ledger states how many sequences of one document a step may take)")
+    elif unit != DOCUMENT_UNIT and cap is not None:
+        problems.append(f"{field}.max_sequences_per_document: {cap!r} in a ledger whose unit is {unit!r} "
+                        f"(expected it only with {DOCUMENT_UNIT!r})")
     if ledger.get("sampling", SAMPLING) != SAMPLING:
         problems.append(f"{field}.sampling: {ledger.get('sampling')!r} is not what the accountant models "
                         f"(expected {SAMPLING!r})")
@@ -234,6 +250,27 @@ def _ledger_problems(field: str, ledger: Mapping[str, Any]) -> list[str]:
             if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
                 problems.append(f"{field}.stages[{j}].steps: {steps!r} (expected an integer >= 1)")
     return problems
+
+
+def _group_privacy_problems(field: str, g: Guarantee, rtol: float) -> list[str]:
+    """The card's group privacy of a whole document (sequence-level ledgers), recomputed by
+    `dpbert.privacy.accounting.group_epsilon` for the unit's largest document."""
+    from dpbert.release.metadata import document_group_epsilon, epsilon_from_json
+
+    unit = g.unit or {}
+    if "document_group_epsilon" not in unit:
+        return []
+    most = unit.get("max_sequences_per_document")
+    if (g.ledger or {}).get("privacy_unit", PRIVACY_UNIT) != PRIVACY_UNIT or not isinstance(most, int) or most < 1:
+        return [f"{field}: stated, but only a sequence-level ledger with a known largest document has one"]
+    try:
+        stated = epsilon_from_json(unit["document_group_epsilon"], field)
+    except ValueError as err:
+        return [str(err)]
+    recomputed = document_group_epsilon(g.ledger, most)
+    if not _close(stated, recomputed, max(rtol, 1e-3)):
+        return [f"{field}: {_fmt(stated)} stated, group privacy for {most} sequences gives {_fmt(recomputed)}"]
+    return []
 
 
 # ---- 3-4: the recipe
@@ -549,6 +586,7 @@ def verify_folder(folder: str | Path, *, rtol: float = DEFAULT_RTOL) -> Verifica
             if _is_number(target) and recomputed > target * (1 + rtol):
                 problems.append(f"{where}: guarantees[{i}].ledger.target_epsilon: the ledger spends epsilon "
                                 f"{_fmt(recomputed)} > its target {target:g} (the trainer refuses such a plan)")
+            problems += _group_privacy_problems(f"{where}: guarantees[{i}].unit.document_group_epsilon", g, rtol)
             truncation = recompute_truncation_delta(g.ledger)
             if truncation > MAX_TRUNCATION_DELTA_FRACTION * g.ledger["delta"]:
                 problems.append(f"{where}: guarantees[{i}].ledger.stages: truncated Poisson samples add delta "

@@ -50,6 +50,7 @@ from jax.sharding import Mesh
 
 from dpbert.model.bert import unrolled_layers
 from dpbert.privacy import randomness
+from dpbert.privacy.documents import SEQUENCE_PADDING
 from dpbert.privacy.noise import privatize
 from dpbert.train.mesh import batch_sharding, bytes_per_device, replicated
 from dpbert.train.recipe import Recipe
@@ -221,11 +222,15 @@ def compile_step(
         loss_fn = make_mlm_loss(r, abstract.graphdef, masker, masking_key)
         key_sds = jax.eval_shape(lambda: stage_keys[0])
         sharded = batch_sharding(mesh)
+        # With `privacy.unit: document` a row is a document of max_sequences_per_document slots.
+        slots = (r.privacy.max_sequences_per_document,) if r.privacy.enabled and r.privacy.unit == "document" else ()
         batch = {
-            "input_ids": jax.ShapeDtypeStruct((rows, r.data.seq_len), jnp.int32, sharding=sharded),
-            "index": jax.ShapeDtypeStruct((rows,), jnp.int32, sharding=sharded),
-            "step": jax.ShapeDtypeStruct((rows,), jnp.int32, sharding=sharded),
+            "input_ids": jax.ShapeDtypeStruct((rows, *slots, r.data.seq_len), jnp.int32, sharding=sharded),
+            "index": jax.ShapeDtypeStruct((rows, *slots), jnp.int32, sharding=sharded),
+            "step": jax.ShapeDtypeStruct((rows, *slots), jnp.int32, sharding=sharded),
         }
+        if slots:
+            batch[SEQUENCE_PADDING] = jax.ShapeDtypeStruct((rows, *slots), jnp.bool_, sharding=sharded)
         padding = jax.ShapeDtypeStruct((rows,), jnp.bool_, sharding=sharded)
         step = make_step(r, loss_fn, optimizer, noise_multiplier=1.0, expected_batch_size=stage.expected_batch_size,
                          mesh=mesh, shardings=abstract.shardings)

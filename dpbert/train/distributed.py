@@ -27,7 +27,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from dpbert.privacy.sampling import PoissonBatch, poisson_sample
+from dpbert.privacy.sampling import DocumentBatch, PoissonBatch, document_sample, poisson_sample
 from dpbert.train.mesh import batch_sharding, replicated
 
 
@@ -100,6 +100,48 @@ def local_batch(
     share = slice(index * (padded // count), (index + 1) * (padded // count))
     sample = dataclasses.replace(full, indices=indices[share], is_padding=is_padding[share])
     return sample, np.asarray(store[sample.indices])
+
+
+def local_document_batch(
+    store: Any,
+    run_key: jax.Array,
+    step: int,
+    *,
+    document_offsets: np.ndarray,
+    num_documents: int,
+    expected_batch_size: int,
+    physical_batch_size: int,
+    max_sequences_per_document: int,
+    padded_batch_size: int | None = None,
+) -> tuple[DocumentBatch, np.ndarray]:
+    """`local_batch` with documents as units (`dpbert.privacy.sampling.document_sample`): this
+    process's share of the step's document sample, padded with padding documents to
+    `padded_batch_size`, and its rows [documents, max_sequences_per_document, seq_len] (only the
+    taken sequences are read; unused slots read row 0 and are masked by `sequence_padding`)."""
+    padded = physical_batch_size if padded_batch_size is None else padded_batch_size
+    count, index = jax.process_count(), jax.process_index()
+    if padded < physical_batch_size or padded % count:
+        raise ValueError(
+            f"padded_batch_size={padded} must be >= physical_batch_size={physical_batch_size} and "
+            f"divisible by the {count} processes"
+        )
+    full = document_sample(run_key, step, document_offsets, expected_batch_size, physical_batch_size,
+                           max_sequences_per_document, num_documents=num_documents)
+    cap = max_sequences_per_document
+    fields = {
+        "indices": (np.zeros((padded, cap), np.int64), full.indices),
+        "sequence_padding": (np.ones((padded, cap), bool), full.sequence_padding),
+        "is_padding": (np.ones(padded, bool), full.is_padding),
+        "documents": (np.zeros(padded, np.int64), full.documents),
+    }
+    share = slice(index * (padded // count), (index + 1) * (padded // count))
+    out = {}
+    for name, (buffer, value) in fields.items():
+        buffer[:physical_batch_size] = value
+        out[name] = buffer[share]
+    sample = dataclasses.replace(full, **out)
+    rows = np.asarray(store[np.where(sample.sequence_padding, 0, sample.indices)])
+    return sample, rows
 
 
 def global_array(local: Any, mesh: Mesh) -> Any:

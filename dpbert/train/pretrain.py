@@ -92,8 +92,15 @@ from dpbert.privacy import (
     physical_batch_size,
     step_key,
 )
-from dpbert.privacy.accounting import MAX_TRUNCATION_DELTA_FRACTION, round_down_significant
+from dpbert.privacy.accounting import (
+    DOCUMENT_UNIT,
+    MAX_TRUNCATION_DELTA_FRACTION,
+    PRIVACY_UNIT,
+    round_down_significant,
+)
 from dpbert.privacy.dp_step import StepFn
+from dpbert.privacy.documents import SEQUENCE_PADDING
+from dpbert.privacy.sampling import check_document_offsets
 from dpbert.privacy.randomness import SECRET_FILE, RunSecret, mechanism_key, read_secret, run_secret
 from dpbert.privacy.ghost_clipping import MLMGhostLoss
 from dpbert.train import distributed
@@ -198,8 +205,13 @@ class MaskedMLMGhostLoss(MLMGhostLoss):
     run_key: jax.Array
 
     def tapped(self, params: Any, example: dict[str, jax.Array], rng: jax.Array | None, z: dict | None):
-        x = self.masker(self.run_key, example["step"], example["index"], example["input_ids"])
-        return super().tapped(params, x, rng, z)
+        if SEQUENCE_PADDING not in example:
+            x = self.masker(self.run_key, example["step"], example["index"], example["input_ids"])
+            return super().tapped(params, x, rng, z)
+        # A document ([K, L] sequences): each sequence masked with its own store index, as alone.
+        x = jax.vmap(self.masker, in_axes=(None, 0, 0, 0))(self.run_key, example["step"], example["index"],
+                                                           example["input_ids"])
+        return super().tapped(params, {**x, SEQUENCE_PADDING: example[SEQUENCE_PADDING]}, rng, z)
 
 
 def make_eval_fn(
@@ -286,19 +298,22 @@ def public_dataset_size(recipe: Recipe, available: int) -> tuple[int, str]:
     if declared is None:
         return round_down_significant(available), "rounded"
     if declared > available:
+        units = "documents" if recipe.privacy.unit == "document" else "sequences"
         raise ValueError(f"recipe field 'privacy.dataset_size': {declared} exceeds the {available} training "
-                         "sequences of the token store")
+                         f"{units} of the token store")
     return declared, "declared"
 
 
 def make_plan(recipe: Recipe, dataset_size: int, *, dataset_size_source: str = "exact") -> Plan:
-    """Noise multipliers (fixed or calibrated), physical batches, and the budget check."""
+    """Noise multipliers (fixed or calibrated), physical batches, and the budget check.
+
+    With `privacy.unit: document`, `dataset_size` and every batch size count documents."""
     p = recipe.privacy
     for i, s in enumerate(recipe.schedule):
         if s.expected_batch_size > dataset_size:
             raise ValueError(
                 f"recipe field 'schedule[{i}].expected_batch_size': {s.expected_batch_size} exceeds the "
-                f"{dataset_size} training examples of the token store"
+                f"{dataset_size} training {'documents' if p.unit == 'document' else 'examples'} of the token store"
             )
     base = BatchSchedule(stages=tuple(
         Stage(steps=s.steps, expected_batch_size=s.expected_batch_size, noise_multiplier=p.noise_multiplier or 1.0)
@@ -315,10 +330,12 @@ def make_plan(recipe: Recipe, dataset_size: int, *, dataset_size_source: str = "
         )
     else:
         schedule = base
+    document = p.unit == "document"
     ledger = PrivacyLedger.for_schedule(
         schedule, dataset_size=dataset_size, delta=p.delta, clip_norm=p.clip_norm, accountant=p.accountant,
         physical_batch_sizes=list(physical), target_epsilon=p.target_epsilon,
-        dataset_size_source=dataset_size_source,
+        dataset_size_source=dataset_size_source, privacy_unit=DOCUMENT_UNIT if document else PRIVACY_UNIT,
+        max_sequences_per_document=p.max_sequences_per_document if document else None,
     )
     ledger.check_budget()
     return Plan(schedule=schedule, physical_batch_sizes=physical, ledger=ledger)
@@ -412,8 +429,10 @@ def init_state(recipe: Recipe, abstract: AbstractState, optimizer: optax.Gradien
 def make_mlm_loss(recipe: Recipe, graphdef: nnx.GraphDef, masker: Callable[..., dict[str, jax.Array]],
                   run_key: jax.Array) -> Any:
     """The per-example masked-LM loss the step clips: with layer taps (ghost clipping) unless
-    the run is non-private or `train.clipping` is "vmap"."""
-    if recipe.privacy.enabled and recipe.train.clipping != "vmap":
+    the run is non-private or `train.clipping` is "vmap". With `privacy.unit: document` an
+    example is a document (`dpbert.privacy.documents`) and the loss is always the tapped one,
+    a plain loss too, so that both clipping paths clip the same function."""
+    if recipe.privacy.enabled and (recipe.train.clipping != "vmap" or recipe.privacy.unit == "document"):
         return MaskedMLMGhostLoss(graphdef=graphdef, masker=masker, run_key=run_key,
                                   layer_mode=recipe.train.layer_mode)
     return make_loss_fn(graphdef, masker, run_key)
@@ -608,14 +627,23 @@ def pretrain(
     train_store = TokenStore.open(store_dir, "train")
     eval_store = TokenStore.open(store_dir, "eval")
     tokenizer = load_tokenizer(train_store.tokenizer_dir)
-    n_train, n_source = public_dataset_size(recipe, len(train_store))
-    unigram = unigram_token(train_store, n_train, manifest.special_token_ids)
+    document_unit = recipe.privacy.enabled and recipe.privacy.unit == "document"
+    offsets = train_store.document_offsets() if document_unit else None
+    n_train, n_source = public_dataset_size(recipe, len(train_store) if offsets is None else offsets.size - 1)
+    if offsets is not None:
+        offsets = check_document_offsets(offsets[: n_train + 1])  # an empty document is refused here
+    n_sequences = n_train if offsets is None else int(offsets[-1])
+    unigram = unigram_token(train_store, n_sequences, manifest.special_token_ids)
     log(f"data: {len(train_store)} train / {len(eval_store)} held-out sequences of {manifest.seq_len} tokens "
         f"({manifest.source}; vocabulary {manifest.vocab_origin}, {manifest.vocab_size} tokens) "
         f"[{time.perf_counter() - t0:.0f} s]")
+    units = "sequences" if offsets is None else "documents"
     if n_source != "exact":
-        log(f"data: sampling from the first {n_train} sequences, the public dataset size N of q = B/N "
+        log(f"data: sampling from the first {n_train} {units}, the public dataset size N of q = B/N "
             f"({'declared in the recipe' if n_source == 'declared' else 'rounded down to 2 significant digits'})")
+    if offsets is not None:
+        log(f"privacy unit: one document ({n_train} documents, {n_sequences} sequences; at most "
+            f"{recipe.privacy.max_sequences_per_document} sequences of a sampled document per step)")
 
     # --- devices, model and optimizer
     mesh = make_mesh(data=recipe.mesh.data, fsdp=recipe.mesh.fsdp)
@@ -725,16 +753,28 @@ def pretrain(
                     )
                 tick = time.perf_counter()
                 # This process's rows only; the ledger's truncation size, padded for the mesh.
-                sample, rows = distributed.local_batch(
-                    train_store, stage_keys[pos.index], t, dataset_size=n_train,
-                    expected_batch_size=stage.expected_batch_size,
-                    physical_batch_size=plan.physical_batch_sizes[pos.index],
-                    padded_batch_size=device_batches[pos.index],
-                )
+                if offsets is None:
+                    sample, rows = distributed.local_batch(
+                        train_store, stage_keys[pos.index], t, dataset_size=n_train,
+                        expected_batch_size=stage.expected_batch_size,
+                        physical_batch_size=plan.physical_batch_sizes[pos.index],
+                        padded_batch_size=device_batches[pos.index],
+                    )
+                    extra = {}
+                else:
+                    sample, rows = distributed.local_document_batch(
+                        train_store, stage_keys[pos.index], t, document_offsets=offsets, num_documents=n_train,
+                        expected_batch_size=stage.expected_batch_size,
+                        physical_batch_size=plan.physical_batch_sizes[pos.index],
+                        max_sequences_per_document=recipe.privacy.max_sequences_per_document,
+                        padded_batch_size=device_batches[pos.index],
+                    )
+                    extra = {SEQUENCE_PADDING: sample.sequence_padding}
                 batch, is_padding = distributed.global_array(({
                     "input_ids": rows.astype(np.int32),
                     "index": sample.indices.astype(np.int32),
                     "step": np.full(sample.indices.shape, t, np.int32),
+                    **extra,
                 }, sample.is_padding), mesh)
                 params, opt_state, out = step_fns[pos.index](
                     state.params, state.opt_state, batch, is_padding, step_key(stage_keys[pos.index], t)

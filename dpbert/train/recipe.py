@@ -145,6 +145,13 @@ class PrivacyConfig:
     of one per stage with `per_stage`, each stage getting an equal share of the budget by
     calibration), or `noise_multiplier` (fixed), or both (fixed noise, and the run is
     refused if it would spend more than `target_epsilon`).
+
+    `unit`: what one privacy unit is. "sequence" (default): each packed sequence is sampled and
+    clipped on its own. "document": documents are Poisson-sampled (the schedule's
+    `expected_batch_size` and `dataset_size` then count documents), at most
+    `max_sequences_per_document` (required) sequences of a sampled document, chosen at random
+    with the run's secret key, enter the step, and the document's summed gradient is clipped as
+    a whole: the guarantee protects a whole document (e.g. one speech), not one slice of it.
     """
 
     enabled: bool = True
@@ -155,11 +162,23 @@ class PrivacyConfig:
     noise_multiplier: float | None = None
     calibrate: Literal["shared", "per_stage"] = "shared"
     dataset_size: int | None = None
+    unit: Literal["sequence", "document"] = "sequence"
+    max_sequences_per_document: int | None = None
 
     def __post_init__(self) -> None:
         _check(self.clip_norm > 0, "clip_norm", "a positive number", self.clip_norm)
+        _check(self.unit in ("sequence", "document"), "unit", "'sequence' or 'document'", self.unit)
+        if self.unit == "document":
+            _check(self.max_sequences_per_document is not None and self.max_sequences_per_document >= 1,
+                   "max_sequences_per_document", "a positive integer when unit is 'document'",
+                   self.max_sequences_per_document)
+            _check(self.enabled, "unit", "'sequence' for a non-private run (unit 'document' is a DP setting)", self.unit)
+        else:
+            _check(self.max_sequences_per_document is None, "max_sequences_per_document",
+                   "null unless unit is 'document'", self.max_sequences_per_document)
         _check(self.dataset_size is None or self.dataset_size >= 1, "dataset_size",
-               "a positive integer (the public number of training sequences) or null", self.dataset_size)
+               "a positive integer (the public number of training sequences, or documents with unit 'document') "
+               "or null", self.dataset_size)
         _check(0.0 < self.delta < 1.0, "delta", "a probability in (0, 1)", self.delta)
         _check(
             self.target_epsilon is None or self.target_epsilon > 0,

@@ -1,0 +1,47 @@
+"""Document-level DP: a document, not a sequence, is the unit that is sampled and clipped.
+
+A document example is a pytree whose leaves have a leading axis of K =
+`max_sequences_per_document` sequence slots, plus `sequence_padding` (bool [K], True in unused
+slots). `document_loss(loss_fn)` turns a per-sequence `loss_fn(params, sequence, rng)` into the
+per-document loss
+
+    L_doc(params) = sum over real slots k of loss_fn(params, sequence_k, fold_in(rng, k)),
+
+whose gradient is the sum of the document's per-sequence gradients. Handed to the clipped
+sum (`clipping.clipped_grad_sum` or the ghost path, unchanged), each *document's* summed
+gradient is clipped to norm C as a whole (not each sequence), so adding or removing one
+document changes the step's sum by at most C, however many sequences it has and however large
+their gradients. With Poisson sampling over documents at rate q = B / N documents, noise
+N(0, (sigma C)^2) and division by the expected number of documents B, the accountant's
+Poisson-subsampled Gaussian is then exactly the mechanism for add-or-remove-one-document
+neighbours (as jax_privacy's user-level sampling with user-level clipping).
+
+Guarantees: unused slots contribute exactly 0 to the loss (and so to the gradient), whatever
+their content; slot k of a document gets the key fold_in(document key, k), so results do not
+depend on micro-batch size or devices.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from dpbert.privacy.clipping import LossFn
+
+SEQUENCE_PADDING = "sequence_padding"
+
+
+def document_loss(loss_fn: LossFn) -> LossFn:
+    """The per-document loss (sum over the real sequence slots) of a per-sequence `loss_fn`."""
+
+    def loss(params: Any, document: dict[str, Any], rng: jax.Array) -> jax.Array:
+        padding = document[SEQUENCE_PADDING]
+        sequences = {k: v for k, v in document.items() if k != SEQUENCE_PADDING}
+        keys = jax.vmap(lambda k: jax.random.fold_in(rng, k))(jnp.arange(padding.shape[0]))
+        losses = jax.vmap(loss_fn, in_axes=(None, 0, 0))(params, sequences, keys)
+        # where(), not a product: a padding slot's loss never reaches the sum, even if not finite.
+        return jnp.sum(jnp.where(padding, 0.0, losses.astype(jnp.float32)))
+
+    return loss
