@@ -105,6 +105,7 @@ from dpbert.privacy.randomness import SECRET_FILE, RunSecret, mechanism_key, rea
 from dpbert.privacy.ghost_clipping import MLMGhostLoss
 from dpbert.train import distributed
 from dpbert.train.checkpoint import CheckpointStore
+from dpbert.train.device import device_settings
 from dpbert.train.mesh import batch_axes, make_mesh, state_shardings
 from dpbert.train.metrics import MetricsLog, truncate_after
 from dpbert.train.recipe import Recipe, load_recipe, recipe_to_dict, save_recipe
@@ -651,11 +652,20 @@ def pretrain(
     config = bert_config(recipe, manifest.vocab_size)
     vocab_size = config.vocab_size
     recipe = dataclasses.replace(recipe, model=dataclasses.replace(recipe.model, vocab_size=vocab_size))
+    # --- privacy plan (refuses a schedule that would pass the target epsilon, before anything is written),
+    # from the recipe as written: the device's settings below never change the ledger
+    plan = make_plan(recipe, n_train, dataset_size_source=n_source)
+    written = recipe
+    if recipe.train.tune_for_device and offsets is None:  # document batches keep the recipe's micro-batch
+        settings = device_settings(
+            recipe, config, num_predictions=max_predictions(manifest.seq_len, recipe.data.mask_prob),
+            dataset_size=n_train, physical_batch_sizes=plan.physical_batch_sizes, devices=devices,
+        )
+        recipe = dataclasses.replace(recipe, train=settings.apply(recipe.train))
+        log(settings.describe())
     optimizer = make_optimizer(recipe)
     abstract = abstract_state(recipe, config, optimizer, mesh)
     graphdef = abstract.graphdef
-    # --- privacy plan (refuses a schedule that would pass the target epsilon, before anything is written)
-    plan = make_plan(recipe, n_train, dataset_size_source=n_source)
     secret = None
     if recipe.privacy.enabled:
         if primary:
@@ -716,7 +726,7 @@ def pretrain(
         if primary and metrics_path.exists():
             metrics_path.unlink()
     if primary:
-        save_recipe(recipe, run_dir / "recipe.yaml")
+        save_recipe(written, run_dir / "recipe.yaml")
         if secret is not None:
             write_json(run_dir / RANDOMNESS_FILE, {"source": secret.source})
 

@@ -239,6 +239,9 @@ class TrainConfig:
     `layer_mode` picks, for ghost clipping, how each dense layer's per-example norm is found:
     "mixed" (per layer, the cheaper of ghost norms and the instantiated per-example gradient),
     "ghost" or "instantiate"; it changes speed and memory, never the result.
+    `tune_for_device`: on a GPU or TPU, `microbatch_size`, `dtype` and `layer_mode` are replaced
+    by the device's measured settings (bfloat16 compute; `dpbert.train.device`); on a CPU, for
+    document-level units, and when false, they are used as written. The ledger follows the recipe as written.
     `eval_batches` batches of `eval_batch_size` held-out examples, masked
     deterministically, are scored every `eval_every` steps and at the end.
     """
@@ -254,6 +257,7 @@ class TrainConfig:
     dtype: Literal["float32", "bfloat16"] = "float32"
     clipping: Literal["ghost", "vmap", "auto"] = "ghost"
     layer_mode: Literal["mixed", "ghost", "instantiate"] = "mixed"
+    tune_for_device: bool = True
 
     def __post_init__(self) -> None:
         _check(self.seed >= 0, "seed", "an integer >= 0", self.seed)
