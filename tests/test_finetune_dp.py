@@ -1,0 +1,97 @@
+"""`dpbert finetune --dp`: derived defaults that learn, LoRA merged into the release, an accounted sweep."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from test_glue import _synthetic_sst2, _tiny_model
+
+from dpbert import cli
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("finetune_dp")
+    _synthetic_sst2(root / "SST-2", n_train=800, n_dev=200)
+    _tiny_model(root / "model")
+    return root
+
+
+def _run(argv: list[str]) -> str:
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        assert cli.main(argv) == 0
+    return printed.getvalue()
+
+
+def test_dp_defaults_are_derived_printed_and_learn(tiny: Path) -> None:
+    out = tiny / "out_defaults"
+    printed = _run(["finetune", "--task", "sst2", "--model", str(tiny / "model"), "--data-dir", str(tiny / "SST-2"),
+                    "--output-dir", str(out), "--dp", "--set", "max_seq_len=12", "--set", "privacy.accountant=rdp",
+                    "--set", "eval_every_epochs=100"])  # fmt: skip
+    result = json.loads((out / "metrics.json").read_text())
+    derived = result["derived_defaults"]
+    # n = 800: ceil(10,000 / 800) = 13 epochs; the batch the planner picks; clip 0.1; bias lr 5e-3.
+    assert derived["epochs"] == 13.0 and derived["clip_norm"] == 0.1 and derived["learning_rate"] == 5e-3
+    assert result["privacy"]["expected_batch_size"] == derived["expected_batch_size"]
+    assert result["privacy"]["steps"] == derived["steps"] and result["privacy"]["epsilon"] <= 8.0
+    for name in ("expected_batch_size", "epochs", "clip_norm", "learning_rate"):
+        assert f"{name} = " in printed and derived["reasons"][name] in printed
+    assert result["config"]["private"]["batch_size"] == derived["expected_batch_size"]  # the recipe as run
+    assert result["dev"]["validation"]["accuracy"] > 0.75  # chance is 0.5
+
+
+def test_lora_sweep_release_is_merged_accounted_and_verifies(tiny: Path) -> None:
+    from safetensors import safe_open
+
+    from dpbert.privacy.accounting import PrivacyLedger
+    from dpbert.release import verify_folder
+
+    out = tiny / "out_lora_sweep"
+    printed = _run(["finetune", "--task", "sst2", "--model", str(tiny / "model"), "--data-dir", str(tiny / "SST-2"),
+                    "--output-dir", str(out), "--dp", "--epsilon", "8", "--trainable", "lora", "--lora-rank", "2",
+                    "--lora-targets", "query,value", "--sweep", "--set", "sweep.learning_rate_factors=[0.5,2]",
+                    "--set", "max_seq_len=12", "--set", "private.batch_size=200", "--set", "private.epochs=3",
+                    "--set", "private.learning_rate=1e-2", "--set", "privacy.accountant=rdp"])  # fmt: skip
+    result = json.loads((out / "metrics.json").read_text())
+    trained = result["trained"]
+    # hidden 32, 1 layer, rank 2 on query and value: 2 * (32*2 + 2*32) = 256 factors; the head is the
+    # classifier (32*2 + 2) plus the pooler (32*32 + 32), new since the checkpoint has none.
+    assert trained["subset"] == "lora" and trained["parameters"] == 256 + 66 + 1056
+    assert trained["lora"] == {"rank": 2, "alpha": 16.0, "targets": ["query", "value"]}
+
+    sweep, privacy = result["sweep"], result["privacy"]
+    assert [r["learning_rate"] for r in sweep["runs"]] == [5e-3, 2e-2] and sweep["selected"] in (0, 1)
+    best = max(r["dev"]["validation"]["accuracy"] for r in sweep["runs"])
+    assert result["dev"]["validation"]["accuracy"] == best
+    assert "Papernot and Steinke" in sweep["accounting"] and "Papernot and Steinke" in printed
+    assert privacy["runs"] == 2 and privacy["steps"] == 12 and privacy["epsilon"] <= 8.0  # 3 epochs * 800 / 200
+    ledger = PrivacyLedger.from_dict(json.loads((out / "privacy.json").read_text()))
+    assert len(ledger.stages) == 2 and ledger.epsilon() == pytest.approx(privacy["epsilon"], rel=1e-6)
+    runs = [json.loads(line).get("run") for line in (out / "evals.jsonl").read_text().splitlines()]
+    assert set(runs) == {0, 1}
+
+    model_dir = out / "model"
+    with safe_open(str(model_dir / "model.safetensors"), "np") as f:
+        assert not [k for k in f.keys() if "lora" in k]  # merged into the plain weights
+    check = verify_folder(model_dir)  # rebuilds the two-run ledger from the recipe it carries
+    assert check.ok and check.status == "non-private", check.summary()  # the source has no DP pretraining
+
+    torch = pytest.importorskip("torch")
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    from dpbert.data import glue
+
+    hf = AutoModelForSequenceClassification.from_pretrained(str(model_dir)).eval()
+    dev = glue.load_split(glue.get_task("sst2"), tiny / "SST-2", "validation")
+    enc = AutoTokenizer.from_pretrained(str(model_dir))(
+        list(dev.texts[0]), padding="max_length", truncation=True, max_length=12, return_tensors="pt"
+    )
+    with torch.no_grad():
+        preds = hf(**enc).logits.argmax(-1).numpy()
+    assert np.mean(preds == dev.labels) == pytest.approx(result["dev"]["validation"]["accuracy"], abs=0.011)
