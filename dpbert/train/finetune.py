@@ -429,6 +429,8 @@ def _export(
     dev: Mapping[str, Mapping[str, float]],
     randomness: str | None,
     trained_parameters: int,
+    trained: Mapping[str, Any] | None = None,
+    sweep: Mapping[str, Any] | None = None,
 ) -> Any:
     """Write OUT/model with `write_release`; returns its `ReleaseMetadata`. `randomness`: where
     the DP secret came from (None when non-private); `trained_parameters`: the noised coordinates."""
@@ -468,6 +470,7 @@ def _export(
             f"Architecture: BERT, {cfg.num_hidden_layers} layers, hidden size {cfg.hidden_size}, "
             f"{cfg.num_attention_heads} attention heads, vocabulary {cfg.vocab_size}; classification head for "
             f"GLUE {task.glue_dir} ({labels}), inputs up to {config.max_seq_len} tokens."
+            + _trained_text(trained, sweep)
         ),
         reproduce_command=(
             f"dpbert finetune --task {task.name} --model {model if is_hub_id else 'SOURCE_MODEL_DIR'} "
@@ -490,6 +493,20 @@ def _export(
         tokenizer.save_pretrained(tok_dir)
         write_release(out / "model", model=net, meta=meta, info=info, tokenizer_dir=tok_dir, overwrite=True)
     return meta
+
+
+def _trained_text(trained: Mapping[str, Any] | None, sweep: Mapping[str, Any] | None) -> str:
+    """What the card says was trained (and, after a sweep, how the model was chosen)."""
+    text = ""
+    if trained is not None:
+        merged = "; LoRA merged into the weights" if trained["subset"] == "lora" else ""
+        text += (f" Fine-tuned: {trained['description']} ({trained['parameters']:,} of "
+                 f"{trained['total_parameters']:,} parameters{merged}).")  # fmt: skip
+    if sweep:
+        rates = ", ".join(format(r["learning_rate"], "g") for r in sweep["runs"])
+        text += (f" Chosen from {len(sweep['runs'])} DP runs (learning rates {rates}) by {sweep['selected_by']}; "
+                 "the task guarantee composes all of them (Papernot and Steinke 2022).")  # fmt: skip
+    return text
 
 
 # ----------------------------------------------------------------------------- training
@@ -534,6 +551,7 @@ def _nonprivate_train(
     optim: OptimConfig,
     run_key: jax.Array,
     on_epoch: Callable[[int, int, nnx.State], None],
+    eval_every_epochs: int = 1,
 ) -> tuple[nnx.State, int]:
     n = len(train["labels"])
     batch_size = min(optim.batch_size, n)
@@ -573,7 +591,7 @@ def _nonprivate_train(
             if not np.isfinite(float(loss)):
                 raise FloatingPointError(f"non-finite training loss at step {t}: lower optim.learning_rate")
             t += 1
-        if t < total_steps:  # the caller evaluates the final model itself
+        if t < total_steps and (epoch + 1) % eval_every_epochs == 0:  # the caller evaluates the final model
             on_epoch(epoch + 1, t, trainable)
     return trainable, total_steps
 
@@ -845,7 +863,8 @@ def finetune(
         steps = plan.steps
         privacy = plan.summary()
     else:
-        trainable, steps = _nonprivate_train(forward, trainable, task, train, optim, run_key, evaluate_all)
+        trainable, steps = _nonprivate_train(forward, trainable, task, train, optim, run_key, evaluate_all,
+                                             eval_every_epochs=config.eval_every_epochs)
 
     if sweep is None:
         final = evaluate_all(float(optim.epochs), steps, trainable)
@@ -854,6 +873,7 @@ def finetune(
     meta = _export(
         out, net=net, tokenizer=tokenizer, task=task, model=model, config=config, source=source, n=n, plan=plan,
         dev=final, randomness=secret.source if config.dp else None, trained_parameters=n_trained,
+        trained=trained, sweep=sweep,
     )  # fmt: skip
 
     result = {
