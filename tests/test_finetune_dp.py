@@ -95,3 +95,34 @@ def test_lora_sweep_release_is_merged_accounted_and_verifies(tiny: Path) -> None
     with torch.no_grad():
         preds = hf(**enc).logits.argmax(-1).numpy()
     assert np.mean(preds == dev.labels) == pytest.approx(result["dev"]["validation"]["accuracy"], abs=0.011)
+
+
+def test_trained_subsets_and_their_parameter_counts() -> None:
+    from flax import nnx
+    from transformers import BertConfig
+
+    from dpbert.model import BertForSequenceClassification
+    from dpbert.model.lora import LoRAConfig, add_lora
+    from dpbert.train.finetune import count_params, trainable_filter
+
+    h, layers, ff = 32, 2, 64
+    config = BertConfig(vocab_size=50, hidden_size=h, num_hidden_layers=layers, num_attention_heads=2,
+                        intermediate_size=ff, max_position_embeddings=16)  # fmt: skip
+    model = BertForSequenceClassification(config, rngs=nnx.Rngs(0), num_labels=2)
+    add_lora(model, LoRAConfig(rank=4, targets=("query", "value")), nnx.Rngs(1))
+    _, params = nnx.split(model, nnx.Param)
+
+    def count(subset: str, fresh: bool) -> int:
+        return count_params(params.split(trainable_filter(subset, fresh_pooler=fresh), ...)[0])
+
+    classifier, pooler_kernel, pooler_bias = h * 2 + 2, h * h, h
+    # Per layer: q, k, v, attention output (h each), intermediate (ff), output (h), two LayerNorms (h each).
+    layer_biases = 4 * h + ff + h + 2 * h
+    biases = layers * layer_biases + h + pooler_bias  # + the embeddings' LayerNorm and the pooler bias
+    factors = 2 * layers * (h * 4 + 4 * h)
+    assert count("head", fresh=False) == classifier
+    assert count("head", fresh=True) == classifier + pooler_kernel + pooler_bias
+    assert count("bias", fresh=False) == biases + classifier
+    assert count("bias", fresh=True) == biases + classifier + pooler_kernel
+    assert count("lora", fresh=False) == factors + classifier
+    assert count("all", fresh=False) == count_params(params)
