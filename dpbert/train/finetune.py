@@ -173,6 +173,8 @@ class FinetuneConfig:
     `tokenizer: null` loads the tokenizer from the model folder. `microbatch_size` only trades
     memory for speed (DP results do not depend on it). `lora` applies when a mode trains
     `lora`; `eval_every_epochs`: evaluate after every k-th epoch (and always at the end).
+    `train_pooler`: whether the head includes the pooler's kernel under `bias`, `lora` and
+    `head` (null: only when the checkpoint has no pretrained pooler).
     """
 
     dp: bool = False
@@ -190,6 +192,7 @@ class FinetuneConfig:
     lora: LoRAConfig = LoRAConfig()
     sweep: SweepConfig = SweepConfig()
     eval_every_epochs: int = 1
+    train_pooler: bool | None = None
 
     def __post_init__(self) -> None:
         _check(self.max_seq_len >= 8, "max_seq_len", "an integer >= 8", self.max_seq_len)
@@ -276,9 +279,10 @@ def trainable_filter(subset: Trainable, *, fresh_pooler: bool = True) -> Callabl
     raise ValueError(f"trainable: expected one of {', '.join(TRAINABLE)}, got {subset!r}")
 
 
-def describe_trainable(subset: Trainable, config: FinetuneConfig, fresh_pooler: bool) -> str:
+def describe_trainable(subset: Trainable, config: FinetuneConfig, train_pooler: bool, fresh_pooler: bool) -> str:
     """What `subset` trains, in words (printed and stored in metrics.json)."""
-    head = "classifier" + (" + pooler (not in the checkpoint)" if fresh_pooler else " (the pretrained pooler stays frozen)")
+    pooler = "not in the checkpoint" if fresh_pooler else "pretrained"
+    head = "classifier" + (f" + pooler ({pooler})" if train_pooler else f" (the {pooler} pooler stays frozen)")
     if subset == "all":
         return "all parameters"
     if subset == "bias":
@@ -785,6 +789,7 @@ def finetune(
 
     splits = glue.load_task(task, data)
     net, tokenizer, model_dir, fresh_pooler = _load_model_and_tokenizer(task, model, config)
+    train_pooler = fresh_pooler if config.train_pooler is None else config.train_pooler
     source = source_privacy(model_dir, model)
     if _task_scope(task) in {g.scope for g in source.guarantees}:
         raise ValueError(f"model {model}: already carries a '{_task_scope(task)}' guarantee (fine-tuned on {task.name})")
@@ -807,7 +812,7 @@ def finetune(
     if optim.trainable == "lora":
         add_lora(net, config.lora, nnx.Rngs(config.seed + 1))
     graphdef, params = nnx.split(net, nnx.Param)
-    trainable, frozen = params.split(trainable_filter(optim.trainable, fresh_pooler=fresh_pooler), ...)
+    trainable, frozen = params.split(trainable_filter(optim.trainable, fresh_pooler=train_pooler), ...)
     initial = jax.tree_util.tree_map(jnp.copy, trainable)  # every sweep run starts here
     forward = _Forward(graphdef, frozen)
     n_trained, n_total = count_params(trainable), count_params(frozen) + count_params(trainable)
@@ -815,7 +820,7 @@ def finetune(
         "subset": optim.trainable,
         "parameters": n_trained,
         "total_parameters": n_total,
-        "description": describe_trainable(optim.trainable, config, fresh_pooler),
+        "description": describe_trainable(optim.trainable, config, train_pooler, fresh_pooler),
     }
     if optim.trainable == "lora":
         trained["lora"] = {"rank": config.lora.rank, "alpha": config.lora.alpha, "targets": list(config.lora.targets)}
