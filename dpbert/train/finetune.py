@@ -111,6 +111,7 @@ class OptimConfig:
     dropout: float | None = None
     warmup_fraction: float = 0.1
     weight_decay: float = 0.01
+    head_lr_multiplier: float = 1.0
     b1: float = 0.9
     b2: float = 0.999
     eps: float = 1e-8
@@ -123,6 +124,7 @@ class OptimConfig:
         _check(self.dropout is None or 0.0 <= self.dropout < 1.0, "dropout", "null or a rate in [0, 1)", self.dropout)
         _check(0.0 <= self.warmup_fraction < 1.0, "warmup_fraction", "a fraction in [0, 1)", self.warmup_fraction)
         _check(self.weight_decay >= 0, "weight_decay", "a number >= 0", self.weight_decay)
+        _check(self.head_lr_multiplier > 0, "head_lr_multiplier", "a positive number", self.head_lr_multiplier)
         _check(0.0 <= self.b1 < 1.0, "b1", "a number in [0, 1)", self.b1)
         _check(0.0 <= self.b2 < 1.0, "b2", "a number in [0, 1)", self.b2)
         _check(self.eps > 0, "eps", "a positive number", self.eps)
@@ -314,9 +316,17 @@ def make_optimizer(optim: OptimConfig, total_steps: int, params: nnx.State) -> o
         ],
         boundaries=[warmup],
     ) if warmup > 0 else optax.linear_schedule(optim.learning_rate, 0.0, max(total_steps, 1))  # fmt: skip
-    return optax.adamw(
+    adamw = optax.adamw(
         schedule, b1=optim.b1, b2=optim.b2, eps=optim.eps, weight_decay=optim.weight_decay, mask=_decay_mask(params)
     )
+    if optim.head_lr_multiplier == 1.0:
+        return adamw
+    # The new head (classifier, pooler) takes larger steps than the pretrained body.
+    head = jax.tree_util.tree_map_with_path(
+        lambda path, _: getattr(path[0], "key", None) == "classifier" or getattr(path[1], "key", None) == "pooler"
+        if len(path) > 1 else getattr(path[0], "key", None) == "classifier", params
+    )
+    return optax.chain(adamw, optax.masked(optax.scale(optim.head_lr_multiplier), head))
 
 
 # ----------------------------------------------------------------------------- loss / eval
