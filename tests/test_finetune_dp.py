@@ -36,8 +36,8 @@ def test_dp_defaults_are_derived_printed_and_learn(tiny: Path) -> None:
                     "--set", "eval_every_epochs=100"])  # fmt: skip
     result = json.loads((out / "metrics.json").read_text())
     derived = result["derived_defaults"]
-    # n = 800: ceil(10,000 / 800) = 13 epochs; the batch the planner picks; clip 0.1; bias lr 5e-3.
-    assert derived["epochs"] == 13.0 and derived["clip_norm"] == 0.1 and derived["learning_rate"] == 5e-3
+    # n = 800: ceil(10,000 / 800) = 13 epochs; the batch the planner picks; clip 0.1; bias lr 1e-2.
+    assert derived["epochs"] == 13.0 and derived["clip_norm"] == 0.1 and derived["learning_rate"] == 1e-2
     assert result["privacy"]["expected_batch_size"] == derived["expected_batch_size"]
     assert result["privacy"]["steps"] == derived["steps"] and result["privacy"]["epsilon"] <= 8.0
     for name in ("expected_batch_size", "epochs", "clip_norm", "learning_rate"):

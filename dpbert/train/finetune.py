@@ -36,10 +36,10 @@ Trained subset (`trainable`). `all`: every parameter. `bias`: DP-BiTFiT-style, e
 (attention, feed-forward, LayerNorm and pooler biases; not the LayerNorm scales) plus the
 classification head. `lora`: LoRA factors (`dpbert.model.lora`; rank, alpha and target
 sub-layers in the `lora` section) plus the head; the factors are merged into the exported
-weights. `head`: the head alone. The head is the new classifier, plus the pooler's kernel when
-the checkpoint has no pretrained pooler (a checkpoint pretrained with masked-LM only): a
-pretrained pooler stays frozen (except its bias under `bias`), since per-step DP noise has norm
-sigma*C*sqrt(d)/B for d trained parameters. The DP default trains `bias`; its batch size,
+weights. `head`: the head alone. The head is the classifier and the pooler (`train_pooler: false`
+freezes a pretrained pooler's kernel; per-step DP noise has norm sigma*C*sqrt(d)/B for d
+trained parameters, but a frozen all-MiniLM-L6-v2 pooler left DP runs at the majority class),
+and it takes `head_lr_multiplier` times larger steps. The DP default trains `bias`; its batch size,
 epochs, clip norm and learning rate are derived from n and epsilon when the recipe leaves them
 at null (`dpbert.train.finetune_plan`), and printed with their reasons. The non-private default
 trains `all`. Weight decay applies to weight matrices only (not biases, LayerNorm or
@@ -176,7 +176,8 @@ class FinetuneConfig:
     memory for speed (DP results do not depend on it). `lora` applies when a mode trains
     `lora`; `eval_every_epochs`: evaluate after every k-th epoch (and always at the end).
     `train_pooler`: whether the head includes the pooler's kernel under `bias`, `lora` and
-    `head` (null: only when the checkpoint has no pretrained pooler).
+    `head` (null: only when the checkpoint has no pretrained pooler). Default true: a pretrained
+    pooler was trained for another objective, if at all (see `dpbert.train.finetune_plan`).
     """
 
     dp: bool = False
@@ -188,13 +189,13 @@ class FinetuneConfig:
     nonprivate: OptimConfig = OptimConfig(trainable="all", learning_rate=2e-5, batch_size=32, epochs=3.0)
     private: OptimConfig = OptimConfig(
         trainable="bias", learning_rate=None, batch_size=None, epochs=None, dropout=0.0, warmup_fraction=0.0,
-        weight_decay=0.0,
+        weight_decay=0.0, head_lr_multiplier=3.0,
     )
     privacy: PrivacyConfig = PrivacyConfig()
     lora: LoRAConfig = LoRAConfig()
     sweep: SweepConfig = SweepConfig()
     eval_every_epochs: int = 1
-    train_pooler: bool | None = None
+    train_pooler: bool | None = True
 
     def __post_init__(self) -> None:
         _check(self.max_seq_len >= 8, "max_seq_len", "an integer >= 8", self.max_seq_len)

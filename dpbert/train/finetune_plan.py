@@ -17,8 +17,15 @@ Language Models Can Be Strong Differentially Private Learners"; Yu et al. 2022,
 - clip norm 0.1: with Adam the clip norm only decides which examples are clipped (the update is
   invariant to a common scale of gradient and noise); a small one clips nearly every example,
   so each contributes a unit direction: the setting Li et al. found best.
-- learning rate by trained subset: fewer trained parameters take larger steps (DP-BiTFiT 5e-3,
-  LoRA 1e-3 as Yu et al., full fine-tuning 5e-4 as Li et al. at batch ~1000, the head alone 1e-2).
+- learning rate by trained subset: fewer trained parameters take larger steps (bias terms 1e-2,
+  LoRA 5e-3, the head alone 1e-2, full fine-tuning 5e-4 as Li et al.); a run of a few dozen
+  steps needs larger ones than the literature's runs of hundreds (DP-BiTFiT 5e-3, LoRA 5e-4 to
+  1e-3). The head (pooler and classifier) takes steps `head_lr_multiplier` (3) times larger: it
+  starts from scratch or, as all-MiniLM-L6-v2's pooler, from a pretrained layer whose output
+  barely varies across sentences (std 0.036 per unit against 0.2 for the [CLS] state it reads).
+  Measured on 2,000 real movie-review sentences (epsilon 8, 40 steps): bias terms at lr 5e-3
+  with the pooler frozen stayed at the majority class; with the pooler trained, lr 1e-2 reached
+  0.62 dev accuracy, and with the head at 3x (the defaults now), 0.650 (majority class 0.526).
 
 Nothing here reads the private data except its size n (public, as in every DP run of dpbert).
 """
@@ -36,7 +43,7 @@ MIN_EPOCHS = 3
 MAX_EPOCHS = 40
 MIN_STEPS = 30  # below this the optimizer, not the noise, limits the run (planner's finding)
 DEFAULT_CLIP_NORM = 0.1
-LEARNING_RATES = {"all": 5e-4, "bias": 5e-3, "lora": 1e-3, "head": 1e-2}
+LEARNING_RATES = {"all": 5e-4, "bias": 1e-2, "lora": 5e-3, "head": 1e-2}
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -121,7 +128,7 @@ def derive_dp_defaults(
             "clip_norm": "small, so nearly every example is clipped to a unit direction (Li et al. 2022); "
                          "with Adam the scale itself does not matter",
             "learning_rate": f"for trainable={trainable}: fewer trained parameters take larger steps "
-                             "(DP-BiTFiT 5e-3, LoRA 1e-3, all 5e-4, head 1e-2)",
+                             "(bias 1e-2, LoRA 5e-3, all 5e-4, head 1e-2; the head 3x)",
         },
     )  # fmt: skip
 
