@@ -126,3 +126,26 @@ def test_trained_subsets_and_their_parameter_counts() -> None:
     assert count("bias", fresh=True) == biases + classifier + pooler_kernel
     assert count("lora", fresh=False) == factors + classifier
     assert count("all", fresh=False) == count_params(params)
+
+
+def test_head_takes_larger_steps_than_the_body() -> None:
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+    from transformers import BertConfig
+
+    from dpbert.model import BertForSequenceClassification
+    from dpbert.train.finetune import OptimConfig, make_optimizer
+
+    config = BertConfig(vocab_size=20, hidden_size=8, num_hidden_layers=1, num_attention_heads=2,
+                        intermediate_size=16, max_position_embeddings=8)  # fmt: skip
+    _, params = nnx.split(BertForSequenceClassification(config, rngs=nnx.Rngs(0), num_labels=2), nnx.Param)
+    optim = OptimConfig(trainable="all", learning_rate=1e-3, batch_size=8, epochs=1, warmup_fraction=0.0,
+                        weight_decay=0.0, head_lr_multiplier=3.0)  # fmt: skip
+    tx = make_optimizer(optim, 10, params)
+    updates, _ = tx.update(jax.tree_util.tree_map(jnp.ones_like, params), tx.init(params), params)
+    # Adam's first step moves every coordinate by the learning rate (1e-3 at step 0); the head by 3x.
+    steps = {"/".join(map(str, p)): float(jnp.max(jnp.abs(v.get_value()))) for p, v in nnx.to_flat_state(updates)}
+    for name, step in steps.items():
+        head = name.startswith("classifier") or name.startswith("bert/pooler")
+        assert step == pytest.approx(3e-3 if head else 1e-3, rel=1e-3), name
