@@ -93,6 +93,14 @@ def _add_finetune(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--delta", type=float, help="delta for the task data (with --dp; default 1/n^1.1)")
     p.add_argument("--recipe", help="YAML fine-tuning recipe (e.g. recipes/glue_finetune.yaml)")
     p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a recipe field")
+    p.add_argument("--trainable", choices=["all", "bias", "lora", "head"],
+                   help="what is trained (default: bias with --dp, all without)")
+    p.add_argument("--lora-rank", type=int, help="LoRA rank (with --trainable lora; default 8)")
+    p.add_argument("--lora-alpha", type=float, help="LoRA alpha, the update is scaled by alpha/rank (default 16)")
+    p.add_argument("--lora-targets", help="comma-separated: query,key,value,attention_output,intermediate,output "
+                   "(default query,value)")
+    p.add_argument("--sweep", action="store_true", help="with --dp: one run per learning-rate factor, the best "
+                   "kept by its dev metric; the ledger composes every run")
     _add_noise_seed_file(p)
 
     def run(args: argparse.Namespace) -> int:

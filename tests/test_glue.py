@@ -375,8 +375,8 @@ def test_recipe_is_the_default_config_and_overrides_name_fields() -> None:
     assert config.optim.learning_rate == 1e-3 and config.optim.trainable == "bias" and config.privacy.epsilon == 3.0
     with pytest.raises(ValueError, match=r"'private.lr': unknown field.* \(in .*glue_finetune.yaml\)"):
         load_config(recipe, ["private.lr=1"])
-    with pytest.raises(ValueError, match=r"'nonprivate.trainable': expected 'all' or 'bias', got 'lora'"):
-        load_config(None, ["nonprivate.trainable=lora"])
+    with pytest.raises(ValueError, match=r"'nonprivate.trainable': expected 'all', 'bias', 'lora' or 'head', got 'adapters'"):
+        load_config(None, ["nonprivate.trainable=adapters"])
 
 
 def test_nonprivate_finetune_learns_and_writes_outputs(nonprivate_run: tuple[Path, dict]) -> None:

@@ -33,12 +33,23 @@ pretraining ledger: the two guarantees cover different data sets and are reporte
 never composed.
 
 Trained subset (`trainable`). `all`: every parameter. `bias`: DP-BiTFiT-style, every bias term
-of the encoder (attention, feed-forward and LayerNorm biases; not the LayerNorm scales) plus the
-new classification head (pooler and classifier, all of it, because a checkpoint pretrained with
-masked-LM only has no pooler). Per-step DP noise has norm sigma*C*sqrt(d)/B for d trained
-parameters, so the DP default trains `bias` (d ~ 0.1-1 % of BERT) with large expected batches,
-a larger learning rate and more epochs; the non-private default trains `all`.
-Weight decay applies to weight matrices only (not biases, LayerNorm or embeddings), as in BERT.
+(attention, feed-forward, LayerNorm and pooler biases; not the LayerNorm scales) plus the
+classification head. `lora`: LoRA factors (`dpbert.model.lora`; rank, alpha and target
+sub-layers in the `lora` section) plus the head; the factors are merged into the exported
+weights. `head`: the head alone. The head is the classifier and the pooler (`train_pooler: false`
+freezes a pretrained pooler's kernel; per-step DP noise has norm sigma*C*sqrt(d)/B for d
+trained parameters, but a frozen all-MiniLM-L6-v2 pooler left DP runs at the majority class),
+and it takes `head_lr_multiplier` times larger steps. The DP default trains `bias`; its batch size,
+epochs, clip norm and learning rate are derived from n and epsilon when the recipe leaves them
+at null (`dpbert.train.finetune_plan`), and printed with their reasons. The non-private default
+trains `all`. Weight decay applies to weight matrices only (not biases, LayerNorm or
+embeddings), as in BERT.
+
+Sweep (`sweep.enabled`, `dpbert finetune --dp --sweep`): one DP run per learning-rate factor,
+the best kept by its dev metric. Choosing the best of k runs spends the privacy of all k
+(Papernot and Steinke 2022), so the task ledger composes all k runs (one stage per run, one
+noise multiplier calibrated so that the composition meets epsilon): the released model's
+guarantee covers the selection. The dev set itself is not protected (its metrics are published).
 """
 
 from __future__ import annotations
@@ -51,6 +62,7 @@ import os
 import tempfile
 import time
 import typing
+import warnings
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any, Literal
@@ -67,10 +79,12 @@ from dpbert.data import glue
 from dpbert.data.glue_metrics import compute_metrics, predictions_from_logits
 from dpbert.model import BertForSequenceClassification
 from dpbert.model.functional import classifier_logits
+from dpbert.model.lora import LoRAConfig, add_lora, is_lora_path, merge_lora
 from dpbert.privacy.randomness import SECRET_FILE, mechanism_key, run_secret
 from dpbert.train.recipe import apply_overrides, read_yaml
 
-Trainable = Literal["all", "bias"]
+Trainable = Literal["all", "bias", "lora", "head"]
+TRAINABLE = ("all", "bias", "lora", "head")
 # fold_in constants that separate the streams of one step's randomness.
 _DROPOUT_STREAM = 1
 _SHUFFLE_STREAM = 2
@@ -84,29 +98,33 @@ def _check(ok: bool, field: str, expected: str, value: Any) -> None:
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class OptimConfig:
     """One training mode's hyper-parameters. For DP, `batch_size` is the *expected* batch size
-    of Poisson sampling, capped at n // 4 so a small task still gets >= 4 steps per epoch.
-    `dropout: null` keeps the checkpoint's dropout rates; a number sets the hidden and
-    attention dropout (DP fine-tuning works better without dropout, Li et al. 2021)."""
+    of Poisson sampling, capped at n // 4 so a small task still gets >= 4 steps per epoch;
+    `learning_rate`, `batch_size` and `epochs` may be null in the DP section: derived from n
+    and epsilon (`dpbert.train.finetune_plan`). `dropout: null` keeps the checkpoint's dropout
+    rates; a number sets the hidden and attention dropout (DP fine-tuning works better without
+    dropout, Li et al. 2021)."""
 
     trainable: Trainable
-    learning_rate: float
-    batch_size: int
-    epochs: float
+    learning_rate: float | None
+    batch_size: int | None
+    epochs: float | None
     dropout: float | None = None
     warmup_fraction: float = 0.1
     weight_decay: float = 0.01
+    head_lr_multiplier: float = 1.0
     b1: float = 0.9
     b2: float = 0.999
     eps: float = 1e-8
 
     def __post_init__(self) -> None:
-        _check(self.trainable in ("all", "bias"), "trainable", "'all' or 'bias'", self.trainable)
-        _check(self.learning_rate > 0, "learning_rate", "a positive number", self.learning_rate)
-        _check(self.batch_size > 0, "batch_size", "a positive integer", self.batch_size)
-        _check(self.epochs > 0, "epochs", "a positive number", self.epochs)
+        _check(self.trainable in TRAINABLE, "trainable", "'all', 'bias', 'lora' or 'head'", self.trainable)
+        _check(self.learning_rate is None or self.learning_rate > 0, "learning_rate", "a positive number", self.learning_rate)
+        _check(self.batch_size is None or self.batch_size > 0, "batch_size", "a positive integer", self.batch_size)
+        _check(self.epochs is None or self.epochs > 0, "epochs", "a positive number", self.epochs)
         _check(self.dropout is None or 0.0 <= self.dropout < 1.0, "dropout", "null or a rate in [0, 1)", self.dropout)
         _check(0.0 <= self.warmup_fraction < 1.0, "warmup_fraction", "a fraction in [0, 1)", self.warmup_fraction)
         _check(self.weight_decay >= 0, "weight_decay", "a number >= 0", self.weight_decay)
+        _check(self.head_lr_multiplier > 0, "head_lr_multiplier", "a positive number", self.head_lr_multiplier)
         _check(0.0 <= self.b1 < 1.0, "b1", "a number in [0, 1)", self.b1)
         _check(0.0 <= self.b2 < 1.0, "b2", "a number in [0, 1)", self.b2)
         _check(self.eps > 0, "eps", "a positive number", self.eps)
@@ -114,18 +132,39 @@ class OptimConfig:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class PrivacyConfig:
-    """DP settings for the task data. `delta: null` means 1/n^1.1 (n = training examples)."""
+    """DP settings for the task data. `delta: null` means 1/n^1.1 (n = training examples);
+    `clip_norm: null` is derived (`dpbert.train.finetune_plan`)."""
 
     epsilon: float = 8.0
     delta: float | None = None
-    clip_norm: float = 1.0
+    clip_norm: float | None = None
     accountant: Literal["pld", "rdp"] = "pld"
 
     def __post_init__(self) -> None:
         _check(self.epsilon > 0, "epsilon", "a positive number", self.epsilon)
         _check(self.delta is None or 0.0 < self.delta < 1.0, "delta", "a probability in (0, 1) or null", self.delta)
-        _check(self.clip_norm > 0, "clip_norm", "a positive number", self.clip_norm)
+        _check(self.clip_norm is None or self.clip_norm > 0, "clip_norm", "a positive number or null", self.clip_norm)
         _check(self.accountant in ("pld", "rdp"), "accountant", "'pld' or 'rdp'", self.accountant)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SweepConfig:
+    """`enabled`: one DP run per factor of the learning rate, the best kept by its dev metric;
+    the task ledger composes all runs (see the module docstring)."""
+
+    enabled: bool = False
+    learning_rate_factors: tuple[float, ...] = (0.3, 1.0, 3.0)
+
+    def __post_init__(self) -> None:
+        factors = self.learning_rate_factors
+        _check(isinstance(factors, list | tuple) and len(factors) >= 1 and all(
+            isinstance(f, int | float) and not isinstance(f, bool) and f > 0 for f in factors),
+            "learning_rate_factors", "a non-empty list of positive numbers", factors)  # fmt: skip
+        object.__setattr__(self, "learning_rate_factors", tuple(float(f) for f in factors))
+
+    @property
+    def runs(self) -> int:
+        return len(self.learning_rate_factors) if self.enabled else 1
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -134,7 +173,11 @@ class FinetuneConfig:
 
     `dp` selects the mode: `private` + `privacy` when true, `nonprivate` otherwise.
     `tokenizer: null` loads the tokenizer from the model folder. `microbatch_size` only trades
-    memory for speed (DP results do not depend on it).
+    memory for speed (DP results do not depend on it). `lora` applies when a mode trains
+    `lora`; `eval_every_epochs`: evaluate after every k-th epoch (and always at the end).
+    `train_pooler`: whether the head includes the pooler's kernel under `bias`, `lora` and
+    `head` (null: only when the checkpoint has no pretrained pooler). Default true: a pretrained
+    pooler was trained for another objective, if at all (see `dpbert.train.finetune_plan`).
     """
 
     dp: bool = False
@@ -145,16 +188,26 @@ class FinetuneConfig:
     microbatch_size: int = 64
     nonprivate: OptimConfig = OptimConfig(trainable="all", learning_rate=2e-5, batch_size=32, epochs=3.0)
     private: OptimConfig = OptimConfig(
-        trainable="bias", learning_rate=5e-3, batch_size=1024, epochs=10.0, dropout=0.0, warmup_fraction=0.0,
-        weight_decay=0.0,
+        trainable="bias", learning_rate=None, batch_size=None, epochs=None, dropout=0.0, warmup_fraction=0.0,
+        weight_decay=0.0, head_lr_multiplier=3.0,
     )
     privacy: PrivacyConfig = PrivacyConfig()
+    lora: LoRAConfig = LoRAConfig()
+    sweep: SweepConfig = SweepConfig()
+    eval_every_epochs: int = 1
+    train_pooler: bool | None = True
 
     def __post_init__(self) -> None:
         _check(self.max_seq_len >= 8, "max_seq_len", "an integer >= 8", self.max_seq_len)
         _check(self.seed >= 0, "seed", "an integer >= 0", self.seed)
         _check(self.eval_batch_size > 0, "eval_batch_size", "a positive integer", self.eval_batch_size)
         _check(self.microbatch_size > 0, "microbatch_size", "a positive integer", self.microbatch_size)
+        _check(self.eval_every_epochs >= 1, "eval_every_epochs", "an integer >= 1", self.eval_every_epochs)
+        for field in ("learning_rate", "batch_size", "epochs"):
+            value = getattr(self.nonprivate, field)
+            _check(value is not None, f"nonprivate.{field}", "a positive number (only DP values are derived)", value)
+        _check(not self.sweep.enabled or self.dp, "sweep.enabled", "false without dp (the sweep is a DP sweep)",
+               self.sweep.enabled)
 
     @property
     def optim(self) -> OptimConfig:
@@ -176,7 +229,7 @@ def _parse(cls: type, raw: Any, field: str) -> Any:
             if isinstance(value, Mapping) and dataclasses.is_dataclass(default):
                 value = {**dataclasses.asdict(default), **value}  # a section overrides its defaults
             value = _parse(hints[key], value, f"{prefix}{key}")
-        elif hints[key] is float and isinstance(value, int | str) and not isinstance(value, bool):
+        elif hints[key] in (float, float | None) and isinstance(value, int | str) and not isinstance(value, bool):
             try:  # YAML reads 2e-5 as a string and 3 as an int
                 value = float(value)
             except ValueError:
@@ -207,17 +260,40 @@ def _is_bias(path: tuple[Any, ...]) -> bool:
     return str(path[-1]) == "bias"
 
 
-def _is_head(path: tuple[Any, ...]) -> bool:
-    return path[0] == "classifier" or (len(path) > 1 and path[1] == "pooler")
+def _is_pooler(path: tuple[Any, ...]) -> bool:
+    return len(path) > 1 and path[1] == "pooler"
 
 
-def trainable_filter(subset: Trainable) -> Callable[[tuple[Any, ...], Any], bool]:
-    """nnx filter `(path, value) -> bool` selecting the parameters `subset` trains."""
+def trainable_filter(subset: Trainable, *, fresh_pooler: bool = True) -> Callable[[tuple[Any, ...], Any], bool]:
+    """nnx filter `(path, value) -> bool` selecting the parameters `subset` trains. The head is
+    the classifier, plus the whole pooler when it is `fresh_pooler` (not in the checkpoint)."""
+
+    def head(path: tuple[Any, ...]) -> bool:
+        return path[0] == "classifier" or (fresh_pooler and _is_pooler(path))
+
     if subset == "all":
         return lambda path, value: True
     if subset == "bias":
-        return lambda path, value: _is_bias(path) or _is_head(path)
-    raise ValueError(f"trainable: expected 'all' or 'bias', got {subset!r}")
+        return lambda path, value: _is_bias(path) or head(path)
+    if subset == "lora":
+        return lambda path, value: is_lora_path(path) or head(path)
+    if subset == "head":
+        return lambda path, value: head(path)
+    raise ValueError(f"trainable: expected one of {', '.join(TRAINABLE)}, got {subset!r}")
+
+
+def describe_trainable(subset: Trainable, config: FinetuneConfig, train_pooler: bool, fresh_pooler: bool) -> str:
+    """What `subset` trains, in words (printed and stored in metrics.json)."""
+    pooler = "not in the checkpoint" if fresh_pooler else "pretrained"
+    head = "classifier" + (f" + pooler ({pooler})" if train_pooler else f" (the {pooler} pooler stays frozen)")
+    if subset == "all":
+        return "all parameters"
+    if subset == "bias":
+        return f"bias terms (attention, feed-forward, LayerNorm, pooler) + {head}"
+    if subset == "lora":
+        lora = config.lora
+        return f"LoRA rank {lora.rank}, alpha {lora.alpha:g} on {', '.join(lora.targets)} of every layer + {head}"
+    return head
 
 
 def _decay_mask(params: nnx.State) -> Any:
@@ -241,9 +317,17 @@ def make_optimizer(optim: OptimConfig, total_steps: int, params: nnx.State) -> o
         ],
         boundaries=[warmup],
     ) if warmup > 0 else optax.linear_schedule(optim.learning_rate, 0.0, max(total_steps, 1))  # fmt: skip
-    return optax.adamw(
+    adamw = optax.adamw(
         schedule, b1=optim.b1, b2=optim.b2, eps=optim.eps, weight_decay=optim.weight_decay, mask=_decay_mask(params)
     )
+    if optim.head_lr_multiplier == 1.0:
+        return adamw
+    # The new head (classifier, pooler) takes larger steps than the pretrained body.
+    head = jax.tree_util.tree_map_with_path(
+        lambda path, _: getattr(path[0], "key", None) == "classifier" or getattr(path[1], "key", None) == "pooler"
+        if len(path) > 1 else getattr(path[0], "key", None) == "classifier", params
+    )
+    return optax.chain(adamw, optax.masked(optax.scale(optim.head_lr_multiplier), head))
 
 
 # ----------------------------------------------------------------------------- loss / eval
@@ -360,6 +444,8 @@ def _export(
     dev: Mapping[str, Mapping[str, float]],
     randomness: str | None,
     trained_parameters: int,
+    trained: Mapping[str, Any] | None = None,
+    sweep: Mapping[str, Any] | None = None,
 ) -> Any:
     """Write OUT/model with `write_release`; returns its `ReleaseMetadata`. `randomness`: where
     the DP secret came from (None when non-private); `trained_parameters`: the noised coordinates."""
@@ -387,7 +473,7 @@ def _export(
         vocabulary_covered=vocabulary_covered,
         vocabulary_learned_from_private_data=learned,
         recipe_name="finetune.yaml",
-        recipe_content=yaml.safe_dump(dataclasses.asdict(config), sort_keys=False),
+        recipe_content=yaml.safe_dump(_config_record(config), sort_keys=False),
     )
     cfg = net.config
     labels = ", ".join(task.label_names) if task.label_names else "one regression output (score 0-5)"
@@ -399,6 +485,7 @@ def _export(
             f"Architecture: BERT, {cfg.num_hidden_layers} layers, hidden size {cfg.hidden_size}, "
             f"{cfg.num_attention_heads} attention heads, vocabulary {cfg.vocab_size}; classification head for "
             f"GLUE {task.glue_dir} ({labels}), inputs up to {config.max_seq_len} tokens."
+            + _trained_text(trained, sweep)
         ),
         reproduce_command=(
             f"dpbert finetune --task {task.name} --model {model if is_hub_id else 'SOURCE_MODEL_DIR'} "
@@ -423,10 +510,25 @@ def _export(
     return meta
 
 
+def _trained_text(trained: Mapping[str, Any] | None, sweep: Mapping[str, Any] | None) -> str:
+    """What the card says was trained (and, after a sweep, how the model was chosen)."""
+    text = ""
+    if trained is not None:
+        merged = "; LoRA merged into the weights" if trained["subset"] == "lora" else ""
+        text += (f" Fine-tuned: {trained['description']} ({trained['parameters']:,} of "
+                 f"{trained['total_parameters']:,} parameters{merged}).")  # fmt: skip
+    if sweep:
+        rates = ", ".join(format(r["learning_rate"], "g") for r in sweep["runs"])
+        text += (f" Chosen from {len(sweep['runs'])} DP runs (learning rates {rates}) by {sweep['selected_by']}; "
+                 "the task guarantee composes all of them (Papernot and Steinke 2022).")  # fmt: skip
+    return text
+
+
 # ----------------------------------------------------------------------------- training
 
 
-def _load_model_and_tokenizer(task: glue.GlueTask, model: str, config: FinetuneConfig) -> tuple[Any, Any, Path]:
+def _load_model_and_tokenizer(task: glue.GlueTask, model: str, config: FinetuneConfig) -> tuple[Any, Any, Path, bool]:
+    """(model, tokenizer, model folder, whether the pooler was newly initialised)."""
     from transformers import AutoTokenizer
 
     from dpbert.release.hub import resolve_pretrained
@@ -439,7 +541,13 @@ def _load_model_and_tokenizer(task: glue.GlueTask, model: str, config: FinetuneC
     if task.label_names is not None:
         overrides["id2label"] = dict(enumerate(task.label_names))
         overrides["label2id"] = {name: i for i, name in enumerate(task.label_names)}
-    net = BertForSequenceClassification.from_pretrained(str(model_dir), seed=config.seed, **overrides)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        net = BertForSequenceClassification.from_pretrained(str(model_dir), seed=config.seed, **overrides)
+    for w in caught:
+        warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+    # hf_io names every weight it had to initialise; a pretrained pooler is not among them.
+    fresh_pooler = any("pooler.dense.weight" in str(w.message) for w in caught)
     tok_dir = Path(config.tokenizer) if config.tokenizer else model_dir
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(tok_dir))
@@ -447,7 +555,7 @@ def _load_model_and_tokenizer(task: glue.GlueTask, model: str, config: FinetuneC
         raise FileNotFoundError(
             f"{tok_dir}: no tokenizer found ({err}); pass --set tokenizer=FOLDER"
         ) from None
-    return net, tokenizer, model_dir
+    return net, tokenizer, model_dir, fresh_pooler
 
 
 def _nonprivate_train(
@@ -458,6 +566,7 @@ def _nonprivate_train(
     optim: OptimConfig,
     run_key: jax.Array,
     on_epoch: Callable[[int, int, nnx.State], None],
+    eval_every_epochs: int = 1,
 ) -> tuple[nnx.State, int]:
     n = len(train["labels"])
     batch_size = min(optim.batch_size, n)
@@ -497,7 +606,7 @@ def _nonprivate_train(
             if not np.isfinite(float(loss)):
                 raise FloatingPointError(f"non-finite training loss at step {t}: lower optim.learning_rate")
             t += 1
-        if t < total_steps:  # the caller evaluates the final model itself
+        if t < total_steps and (epoch + 1) % eval_every_epochs == 0:  # the caller evaluates the final model
             on_epoch(epoch + 1, t, trainable)
     return trainable, total_steps
 
@@ -518,6 +627,7 @@ class DPPlan:
     ledger: Any
     spent_epsilon: float  # ledger.epsilon(), computed once: a PLD recomputation takes seconds
     truncation_delta: float
+    runs: int = 1  # sweep runs composed in the ledger (one stage each); `steps` is per run
 
     def summary(self) -> dict[str, Any]:
         stage = self.ledger.stages[0]
@@ -533,6 +643,7 @@ class DPPlan:
             "physical_batch_size": self.physical_batch_size,
             "sampling_rate": stage.sampling_rate,
             "steps": self.steps,
+            "runs": self.runs,
             "accountant": self.ledger.accountant,
             "dataset_size": self.ledger.dataset_size,
             "privacy_unit": self.ledger.privacy_unit,
@@ -540,34 +651,66 @@ class DPPlan:
         }
 
 
-def plan_dp(n: int, config: FinetuneConfig) -> DPPlan:
-    """Calibrate the noise so that Poisson-sampled DP-SGD over n examples spends exactly
-    `config.privacy.epsilon` at delta (default 1/n^1.1); refuse a plan that breaks the budget."""
-    from dpbert.privacy.accounting import PrivacyLedger, calibrate_noise_multiplier
-    from dpbert.privacy.sampling import physical_batch_size
-    from dpbert.privacy.schedule import BatchSchedule
+def _delta(n: int, privacy: PrivacyConfig) -> tuple[float, str]:
+    return (privacy.delta, "given") if privacy.delta is not None else (1.0 / n**1.1, "1/n^1.1")
+
+
+def resolve_dp(n: int, config: FinetuneConfig) -> tuple[FinetuneConfig, Any]:
+    """(config with every null DP hyper-parameter filled in, the `DerivedDefaults` used or None
+    when the recipe set them all). Depends only on n, epsilon, delta and the trained subset."""
+    from dpbert.train.finetune_plan import derive_dp_defaults
 
     optim, priv = config.private, config.privacy
+    if None not in (optim.learning_rate, optim.batch_size, optim.epochs, priv.clip_norm):
+        return config, None
     if n < 8:
         raise ValueError(f"DP fine-tuning needs at least 8 training examples, got n={n}")
-    delta, rule = (priv.delta, "given") if priv.delta is not None else (1.0 / n**1.1, "1/n^1.1")
+    derived = derive_dp_defaults(
+        dataset_size=n, epsilon=priv.epsilon, delta=_delta(n, priv)[0], trainable=optim.trainable, epochs=optim.epochs
+    )
+    optim = dataclasses.replace(
+        optim,
+        learning_rate=optim.learning_rate if optim.learning_rate is not None else derived.learning_rate,
+        batch_size=optim.batch_size if optim.batch_size is not None else derived.expected_batch_size,
+        epochs=optim.epochs if optim.epochs is not None else derived.epochs,
+    )
+    priv = dataclasses.replace(priv, clip_norm=priv.clip_norm if priv.clip_norm is not None else derived.clip_norm)
+    return dataclasses.replace(config, private=optim, privacy=priv), derived
+
+
+def plan_dp(n: int, config: FinetuneConfig) -> DPPlan:
+    """Calibrate the noise so that Poisson-sampled DP-SGD over n examples spends exactly
+    `config.privacy.epsilon` at delta (default 1/n^1.1); refuse a plan that breaks the budget.
+    Null hyper-parameters are derived first (`resolve_dp`); a sweep of k runs is k stages of
+    the one ledger, all at the same noise multiplier."""
+    from dpbert.privacy.accounting import PrivacyLedger, calibrate_noise_multiplier
+    from dpbert.privacy.sampling import physical_batch_size
+    from dpbert.privacy.schedule import BatchSchedule, Stage
+
+    if n < 8:
+        raise ValueError(f"DP fine-tuning needs at least 8 training examples, got n={n}")
+    config, _ = resolve_dp(n, config)
+    optim, priv = config.private, config.privacy
+    delta, rule = _delta(n, priv)
     batch = min(optim.batch_size, n // 4)
     steps_per_epoch = max(1, round(n / batch))
     steps = max(1, math.ceil(optim.epochs * n / batch))
+    runs = config.sweep.runs
+    stage = Stage(steps=steps, expected_batch_size=batch, noise_multiplier=1.0)
     schedule = calibrate_noise_multiplier(
-        BatchSchedule.constant(steps=steps, expected_batch_size=batch, noise_multiplier=1.0),
+        BatchSchedule(stages=(stage,) * runs),
         dataset_size=n, target_epsilon=priv.epsilon, delta=delta, accountant=priv.accountant,
     )  # fmt: skip
     physical = physical_batch_size(batch, n, multiple=min(config.microbatch_size, batch))
     ledger = PrivacyLedger.for_schedule(
         schedule, dataset_size=n, delta=delta, clip_norm=priv.clip_norm, accountant=priv.accountant,
-        physical_batch_sizes=[physical], target_epsilon=priv.epsilon,
+        physical_batch_sizes=[physical] * runs, target_epsilon=priv.epsilon,
     )  # fmt: skip
     spent = ledger.check_budget()
     return DPPlan(
         epsilon=priv.epsilon, delta=delta, delta_rule=rule, noise_multiplier=schedule.stages[0].noise_multiplier,
         expected_batch_size=batch, physical_batch_size=physical, steps=steps, steps_per_epoch=steps_per_epoch,
-        ledger=ledger, spent_epsilon=spent, truncation_delta=ledger.truncation_delta(spent),
+        ledger=ledger, spent_epsilon=spent, truncation_delta=ledger.truncation_delta(spent), runs=runs,
     )  # fmt: skip
 
 
@@ -580,14 +723,16 @@ def _dp_train(
     plan: DPPlan,
     run_key: jax.Array,
     on_epoch: Callable[[int, int, nnx.State], None],
+    optim: OptimConfig | None = None,
 ) -> tuple[nnx.State, int]:
+    """`optim` (default `config.private`, resolved): a sweep run's own learning rate."""
     from dpbert.privacy.clipping import clipped_grad_sum
     from dpbert.privacy.noise import privatize
     from dpbert.privacy.randomness import example_key, noise_key, step_key
     from dpbert.privacy.sampling import poisson_sample
 
     n = len(train["labels"])
-    tx = make_optimizer(config.private, plan.steps, trainable)
+    tx = make_optimizer(optim or config.private, plan.steps, trainable)
     opt_state = tx.init(trainable)
     microbatch = min(config.microbatch_size, plan.expected_batch_size)
     clip_norm = config.privacy.clip_norm
@@ -614,9 +759,21 @@ def _dp_train(
         sample = poisson_sample(run_key, t, n, plan.expected_batch_size, plan.physical_batch_size)
         batch = {k: v[sample.indices] for k, v in train.items()}
         trainable, opt_state = step(trainable, opt_state, forward.frozen, batch, sample.is_padding, step_key(run_key, t))
-        if (t + 1) % plan.steps_per_epoch == 0 and t + 1 < plan.steps:
-            on_epoch((t + 1) // plan.steps_per_epoch, t + 1, trainable)
+        epoch, at_epoch_end = divmod(t + 1, plan.steps_per_epoch)
+        if at_epoch_end == 0 and epoch % config.eval_every_epochs == 0 and t + 1 < plan.steps:
+            on_epoch(epoch, t + 1, trainable)
     return trainable, plan.steps
+
+
+def _config_record(config: FinetuneConfig) -> dict[str, Any]:
+    """`config` as plain YAML/JSON data (tuples as lists)."""
+
+    def plain(x: Any) -> Any:
+        if isinstance(x, dict):
+            return {k: plain(v) for k, v in x.items()}
+        return [plain(v) for v in x] if isinstance(x, list | tuple) else x
+
+    return plain(dataclasses.asdict(config))
 
 
 def finetune(
@@ -634,35 +791,50 @@ def finetune(
 
     With `config.dp`, the sampling, dropout and noise derive from a secret drawn from the OS
     CSPRNG (or read from `noise_seed_file`), kept in OUT/checkpoints/noise_secret (0600) and
-    domain-separated as "finetune/<task>": never from the published `config.seed`."""
+    domain-separated as "finetune/<task>" (a sweep's run i: "finetune/<task>/sweep/<i>"): never
+    from the published `config.seed`."""
     task = task if isinstance(task, glue.GlueTask) else glue.get_task(task)
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
     started = time.time()
 
     splits = glue.load_task(task, data)
-    net, tokenizer, model_dir = _load_model_and_tokenizer(task, model, config)
+    net, tokenizer, model_dir, fresh_pooler = _load_model_and_tokenizer(task, model, config)
+    train_pooler = fresh_pooler if config.train_pooler is None else config.train_pooler
     source = source_privacy(model_dir, model)
     if _task_scope(task) in {g.scope for g in source.guarantees}:
         raise ValueError(f"model {model}: already carries a '{_task_scope(task)}' guarantee (fine-tuned on {task.name})")
     encoded = {name: glue.encode(s, tokenizer, config.max_seq_len) for name, s in splits.items()}
     train = encoded["train"]
     n = len(train["labels"])
+
+    from dpbert.train.finetune_plan import describe as describe_derived
+
+    derived = None
+    if config.dp:
+        config, derived = resolve_dp(n, config)
+        if derived is not None:
+            log(f"[{task.name}] DP hyper-parameters derived from n={n} and epsilon={config.privacy.epsilon:g} "
+                "(set them in the recipe to override):")  # fmt: skip
+            for line in derived.lines():
+                log(f"[{task.name}]   {line}")
     optim = config.optim
 
+    if optim.trainable == "lora":
+        add_lora(net, config.lora, nnx.Rngs(config.seed + 1))
     graphdef, params = nnx.split(net, nnx.Param)
-    trainable, frozen = params.split(trainable_filter(optim.trainable), ...)
+    trainable, frozen = params.split(trainable_filter(optim.trainable, fresh_pooler=train_pooler), ...)
+    initial = jax.tree_util.tree_map(jnp.copy, trainable)  # every sweep run starts here
     forward = _Forward(graphdef, frozen)
-    n_trained, n_total = count_params(trainable), count_params(params)
+    n_trained, n_total = count_params(trainable), count_params(frozen) + count_params(trainable)
     trained = {
         "subset": optim.trainable,
         "parameters": n_trained,
         "total_parameters": n_total,
-        "description": (
-            "all parameters" if optim.trainable == "all"
-            else "bias terms of the encoder (incl. LayerNorm biases) + pooler + classifier"
-        ),
-    }  # fmt: skip
+        "description": describe_trainable(optim.trainable, config, train_pooler, fresh_pooler),
+    }
+    if optim.trainable == "lora":
+        trained["lora"] = {"rank": config.lora.rank, "alpha": config.lora.alpha, "targets": list(config.lora.targets)}
     log(f"[{task.name}] n={n} train examples; training {trained['description']}: {n_trained:,} of {n_total:,} parameters")
 
     evals_path = out / "evals.jsonl"
@@ -676,35 +848,48 @@ def finetune(
     else:
         run_key = jax.random.key(config.seed)
 
-    def evaluate_all(epoch: float, step: int, current: nnx.State) -> dict[str, dict[str, float]]:
+    def evaluate_all(epoch: float, step: int, current: nnx.State, run: int | None = None) -> dict[str, dict[str, float]]:
         results = {}
+        extra = {} if run is None else {"run": run}
         for split in task.eval_splits:
             results[split] = evaluate(forward, current, task, encoded[split], config.eval_batch_size)
-            _append_jsonl(evals_path, {"task": task.name, "split": split, "epoch": epoch, "step": step, **results[split]})
-        log(f"[{task.name}] epoch {epoch} step {step}: " + json.dumps(results))
+            _append_jsonl(evals_path, {"task": task.name, "split": split, "epoch": epoch, "step": step, **extra,
+                                       **results[split]})  # fmt: skip
+        log(f"[{task.name}] " + (f"run {run} " if run is not None else "") + f"epoch {epoch} step {step}: "
+            + json.dumps(results))  # fmt: skip
         return results
 
     privacy: dict[str, Any] | None = None
     plan: DPPlan | None = None
+    sweep: dict[str, Any] | None = None
     if config.dp:
         plan = plan_dp(n, config)
         log(
             f"[{task.name}] DP: epsilon={plan.epsilon:g}, delta={plan.delta:.3g} ({plan.delta_rule}), "
             f"noise_multiplier={plan.noise_multiplier:.4g}, clip_norm={config.privacy.clip_norm:g}, "
             f"expected batch {plan.expected_batch_size} (q={plan.ledger.stages[0].sampling_rate:.4g}), "
-            f"physical batch {plan.physical_batch_size}, {plan.steps} steps"
+            f"physical batch {plan.physical_batch_size}, {plan.steps} steps, lr {optim.learning_rate:g}"
+            + (f", {plan.runs} sweep runs composed" if plan.runs > 1 else "")
         )
         write_json(out / "privacy.json", plan.ledger.to_dict(), sort_keys=False)
-        trainable, steps = _dp_train(forward, trainable, task, train, config, plan, run_key, evaluate_all)
+        if config.sweep.enabled:
+            trainable, final, sweep = _dp_sweep(forward, initial, task, train, config, plan, secret, evaluate_all, log)
+        else:
+            trainable, _ = _dp_train(forward, trainable, task, train, config, plan, run_key, evaluate_all)
+        steps = plan.steps
         privacy = plan.summary()
     else:
-        trainable, steps = _nonprivate_train(forward, trainable, task, train, optim, run_key, evaluate_all)
+        trainable, steps = _nonprivate_train(forward, trainable, task, train, optim, run_key, evaluate_all,
+                                             eval_every_epochs=config.eval_every_epochs)
 
-    final = evaluate_all(float(optim.epochs), steps, trainable)
+    if sweep is None:
+        final = evaluate_all(float(optim.epochs), steps, trainable)
     nnx.update(net, nnx.merge_state(trainable, frozen))
+    merge_lora(net)  # LoRA folded into plain weights: the export is an ordinary BERT
     meta = _export(
         out, net=net, tokenizer=tokenizer, task=task, model=model, config=config, source=source, n=n, plan=plan,
         dev=final, randomness=secret.source if config.dp else None, trained_parameters=n_trained,
+        trained=trained, sweep=sweep,
     )  # fmt: skip
 
     result = {
@@ -717,12 +902,55 @@ def finetune(
         "steps": steps,
         "private": config.dp,
         "privacy": privacy,
+        "derived_defaults": None if derived is None else describe_derived(derived),
+        "sweep": sweep,
         "release": {"folder": "model", **meta.config_copy()},
-        "config": dataclasses.asdict(config),
+        "config": _config_record(config),
         "seconds": round(time.time() - started, 1),
     }
     write_json(out / "metrics.json", result, sort_keys=False)
     return result
+
+
+def _dp_sweep(
+    forward: _Forward,
+    initial: nnx.State,
+    task: glue.GlueTask,
+    train: Mapping[str, np.ndarray],
+    config: FinetuneConfig,
+    plan: DPPlan,
+    secret: Any,
+    evaluate_all: Callable[..., dict[str, dict[str, float]]],
+    log: Callable[[str], None],
+) -> tuple[nnx.State, dict[str, dict[str, float]], dict[str, Any]]:
+    """One DP run per learning-rate factor (each its own stage of `plan.ledger`, its own key), the
+    best kept by the first metric of the first dev split. Returns (trained, its dev metrics, record)."""
+    split = task.eval_splits[0]
+    metric = task.metric_names[0]
+    runs, best = [], None
+    for i, factor in enumerate(config.sweep.learning_rate_factors):
+        optim = dataclasses.replace(config.private, learning_rate=config.private.learning_rate * factor)
+        key = mechanism_key(secret, f"finetune/{task.name}/sweep/{i}")
+        start = jax.tree_util.tree_map(jnp.copy, initial)
+        run_on_epoch = functools.partial(evaluate_all, run=i)
+        trained, _ = _dp_train(forward, start, task, train, config, plan, key, run_on_epoch, optim=optim)
+        dev = evaluate_all(float(optim.epochs), plan.steps, trained, run=i)
+        runs.append({"run": i, "learning_rate": optim.learning_rate, "dev": dev})
+        if best is None or dev[split][metric] > best[1][split][metric]:
+            best = (trained, dev, i)
+    assert best is not None
+    record = {
+        "runs": runs,
+        "selected": best[2],
+        "selected_by": f"{split} {metric} (the dev set; its own examples are not protected)",
+        "accounting": (
+            f"choosing the best of {len(runs)} runs spends the privacy of all {len(runs)} (Papernot and Steinke "
+            f"2022): the task ledger composes every run, one stage each, so epsilon covers the selection"
+        ),
+    }
+    log(f"[{task.name}] sweep: kept run {best[2]} (learning rate {runs[best[2]]['learning_rate']:g}) by {record['selected_by']}; "
+        + record["accounting"])  # fmt: skip
+    return best[0], best[1], record
 
 
 # ----------------------------------------------------------------------------- all tasks
@@ -776,6 +1004,17 @@ def main(args: Any) -> int:
             raise ValueError("--epsilon/--delta: only meaningful with --dp")
     if args.dp:
         overrides.append("dp=true")
+    mode = "private" if args.dp else "nonprivate"
+    if getattr(args, "trainable", None) is not None:
+        overrides.append(f"{mode}.trainable={args.trainable}")
+    for flag, field in (("lora_rank", "rank"), ("lora_alpha", "alpha"), ("lora_targets", "targets")):
+        value = getattr(args, flag, None)
+        if value is not None:
+            overrides.append(f"lora.{field}=" + (f"[{value}]" if field == "targets" else str(value)))
+    if getattr(args, "sweep", False):
+        if not args.dp:
+            raise ValueError("--sweep: only with --dp (it composes the privacy of every run)")
+        overrides.append("sweep.enabled=true")
     if args.epsilon is not None:
         overrides.append(f"privacy.epsilon={args.epsilon}")
     if args.delta is not None:

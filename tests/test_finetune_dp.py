@@ -1,0 +1,151 @@
+"""`dpbert finetune --dp`: derived defaults that learn, LoRA merged into the release, an accounted sweep."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from test_glue import _synthetic_sst2, _tiny_model
+
+from dpbert import cli
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("finetune_dp")
+    _synthetic_sst2(root / "SST-2", n_train=800, n_dev=200)
+    _tiny_model(root / "model")
+    return root
+
+
+def _run(argv: list[str]) -> str:
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        assert cli.main(argv) == 0
+    return printed.getvalue()
+
+
+def test_dp_defaults_are_derived_printed_and_learn(tiny: Path) -> None:
+    out = tiny / "out_defaults"
+    printed = _run(["finetune", "--task", "sst2", "--model", str(tiny / "model"), "--data-dir", str(tiny / "SST-2"),
+                    "--output-dir", str(out), "--dp", "--set", "max_seq_len=12", "--set", "privacy.accountant=rdp",
+                    "--set", "eval_every_epochs=100"])  # fmt: skip
+    result = json.loads((out / "metrics.json").read_text())
+    derived = result["derived_defaults"]
+    # n = 800: ceil(10,000 / 800) = 13 epochs; the batch the planner picks; clip 0.1; bias lr 1e-2.
+    assert derived["epochs"] == 13.0 and derived["clip_norm"] == 0.1 and derived["learning_rate"] == 1e-2
+    assert result["privacy"]["expected_batch_size"] == derived["expected_batch_size"]
+    assert result["privacy"]["steps"] == derived["steps"] and result["privacy"]["epsilon"] <= 8.0
+    for name in ("expected_batch_size", "epochs", "clip_norm", "learning_rate"):
+        assert f"{name} = " in printed and derived["reasons"][name] in printed
+    assert result["config"]["private"]["batch_size"] == derived["expected_batch_size"]  # the recipe as run
+    assert result["dev"]["validation"]["accuracy"] > 0.75  # chance is 0.5
+
+
+def test_lora_sweep_release_is_merged_accounted_and_verifies(tiny: Path) -> None:
+    from safetensors import safe_open
+
+    from dpbert.privacy.accounting import PrivacyLedger
+    from dpbert.release import verify_folder
+
+    out = tiny / "out_lora_sweep"
+    printed = _run(["finetune", "--task", "sst2", "--model", str(tiny / "model"), "--data-dir", str(tiny / "SST-2"),
+                    "--output-dir", str(out), "--dp", "--epsilon", "8", "--trainable", "lora", "--lora-rank", "2",
+                    "--lora-targets", "query,value", "--sweep", "--set", "sweep.learning_rate_factors=[0.5,2]",
+                    "--set", "max_seq_len=12", "--set", "private.batch_size=200", "--set", "private.epochs=3",
+                    "--set", "private.learning_rate=1e-2", "--set", "privacy.accountant=rdp"])  # fmt: skip
+    result = json.loads((out / "metrics.json").read_text())
+    trained = result["trained"]
+    # hidden 32, 1 layer, rank 2 on query and value: 2 * (32*2 + 2*32) = 256 factors; the head is the
+    # classifier (32*2 + 2) plus the pooler (32*32 + 32), new since the checkpoint has none.
+    assert trained["subset"] == "lora" and trained["parameters"] == 256 + 66 + 1056
+    assert trained["lora"] == {"rank": 2, "alpha": 16.0, "targets": ["query", "value"]}
+
+    sweep, privacy = result["sweep"], result["privacy"]
+    assert [r["learning_rate"] for r in sweep["runs"]] == [5e-3, 2e-2] and sweep["selected"] in (0, 1)
+    best = max(r["dev"]["validation"]["accuracy"] for r in sweep["runs"])
+    assert result["dev"]["validation"]["accuracy"] == best
+    assert "Papernot and Steinke" in sweep["accounting"] and "Papernot and Steinke" in printed
+    assert privacy["runs"] == 2 and privacy["steps"] == 12 and privacy["epsilon"] <= 8.0  # 3 epochs * 800 / 200
+    ledger = PrivacyLedger.from_dict(json.loads((out / "privacy.json").read_text()))
+    assert len(ledger.stages) == 2 and ledger.epsilon() == pytest.approx(privacy["epsilon"], rel=1e-6)
+    runs = [json.loads(line).get("run") for line in (out / "evals.jsonl").read_text().splitlines()]
+    assert set(runs) == {0, 1}
+
+    model_dir = out / "model"
+    with safe_open(str(model_dir / "model.safetensors"), "np") as f:
+        assert not [k for k in f.keys() if "lora" in k]  # merged into the plain weights
+    check = verify_folder(model_dir)  # rebuilds the two-run ledger from the recipe it carries
+    assert check.ok and check.status == "non-private", check.summary()  # the source has no DP pretraining
+
+    torch = pytest.importorskip("torch")
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    from dpbert.data import glue
+
+    hf = AutoModelForSequenceClassification.from_pretrained(str(model_dir)).eval()
+    dev = glue.load_split(glue.get_task("sst2"), tiny / "SST-2", "validation")
+    enc = AutoTokenizer.from_pretrained(str(model_dir))(
+        list(dev.texts[0]), padding="max_length", truncation=True, max_length=12, return_tensors="pt"
+    )
+    with torch.no_grad():
+        preds = hf(**enc).logits.argmax(-1).numpy()
+    assert np.mean(preds == dev.labels) == pytest.approx(result["dev"]["validation"]["accuracy"], abs=0.011)
+
+
+def test_trained_subsets_and_their_parameter_counts() -> None:
+    from flax import nnx
+    from transformers import BertConfig
+
+    from dpbert.model import BertForSequenceClassification
+    from dpbert.model.lora import LoRAConfig, add_lora
+    from dpbert.train.finetune import count_params, trainable_filter
+
+    h, layers, ff = 32, 2, 64
+    config = BertConfig(vocab_size=50, hidden_size=h, num_hidden_layers=layers, num_attention_heads=2,
+                        intermediate_size=ff, max_position_embeddings=16)  # fmt: skip
+    model = BertForSequenceClassification(config, rngs=nnx.Rngs(0), num_labels=2)
+    add_lora(model, LoRAConfig(rank=4, targets=("query", "value")), nnx.Rngs(1))
+    _, params = nnx.split(model, nnx.Param)
+
+    def count(subset: str, fresh: bool) -> int:
+        return count_params(params.split(trainable_filter(subset, fresh_pooler=fresh), ...)[0])
+
+    classifier, pooler_kernel, pooler_bias = h * 2 + 2, h * h, h
+    # Per layer: q, k, v, attention output (h each), intermediate (ff), output (h), two LayerNorms (h each).
+    layer_biases = 4 * h + ff + h + 2 * h
+    biases = layers * layer_biases + h + pooler_bias  # + the embeddings' LayerNorm and the pooler bias
+    factors = 2 * layers * (h * 4 + 4 * h)
+    assert count("head", fresh=False) == classifier
+    assert count("head", fresh=True) == classifier + pooler_kernel + pooler_bias
+    assert count("bias", fresh=False) == biases + classifier
+    assert count("bias", fresh=True) == biases + classifier + pooler_kernel
+    assert count("lora", fresh=False) == factors + classifier
+    assert count("all", fresh=False) == count_params(params)
+
+
+def test_head_takes_larger_steps_than_the_body() -> None:
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+    from transformers import BertConfig
+
+    from dpbert.model import BertForSequenceClassification
+    from dpbert.train.finetune import OptimConfig, make_optimizer
+
+    config = BertConfig(vocab_size=20, hidden_size=8, num_hidden_layers=1, num_attention_heads=2,
+                        intermediate_size=16, max_position_embeddings=8)  # fmt: skip
+    _, params = nnx.split(BertForSequenceClassification(config, rngs=nnx.Rngs(0), num_labels=2), nnx.Param)
+    optim = OptimConfig(trainable="all", learning_rate=1e-3, batch_size=8, epochs=1, warmup_fraction=0.0,
+                        weight_decay=0.0, head_lr_multiplier=3.0)  # fmt: skip
+    tx = make_optimizer(optim, 10, params)
+    updates, _ = tx.update(jax.tree_util.tree_map(jnp.ones_like, params), tx.init(params), params)
+    # Adam's first step moves every coordinate by the learning rate (1e-3 at step 0); the head by 3x.
+    steps = {"/".join(map(str, p)): float(jnp.max(jnp.abs(v.get_value()))) for p, v in nnx.to_flat_state(updates)}
+    for name, step in steps.items():
+        head = name.startswith("classifier") or name.startswith("bert/pooler")
+        assert step == pytest.approx(3e-3 if head else 1e-3, rel=1e-3), name
