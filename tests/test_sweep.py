@@ -24,12 +24,15 @@ def spec():
 
 def test_sweep_tiny_has_the_arms_the_paper_result_needs(spec):
     arms = build_arms(spec)
-    fixed = [a for a in arms if a.private and len(a.stages) == 1]
+    fixed = [a for a in arms if a.private and len(a.stages) == 1 and a.unit == "sequence"]
     schedules = [a for a in arms if a.private and len(a.stages) > 1]
     nonprivate = [a for a in arms if not a.private]
     sizes = sorted(a.expected_batch_size for a in fixed)
     assert len(sizes) >= 4 and sizes[-1] >= 16 * sizes[0]
     assert len(schedules) == 1 and len(nonprivate) == 1
+    documents = [a for a in arms if a.unit == "document"]
+    assert len(documents) == 1 and documents[0].private and documents[0].sequences_per_unit > 1
+    assert arm_recipe(spec, documents[0]).privacy.unit == "document"
     batch_sizes = [b for _, b in schedules[0].stages]
     assert batch_sizes == sorted(batch_sizes) and len(set(batch_sizes)) == len(batch_sizes) >= 2
 
@@ -53,7 +56,12 @@ def test_arms_process_the_same_examples_and_differ_only_in_the_schedule(spec):
 
     first = rest(recipes[0])
     for arm, r in zip(arms, recipes, strict=True):
-        if arm.private:
+        if arm.unit == "document":  # the same model, data and optimizer; its privacy section is its unit's,
+            mine, base = rest(r), json.loads(json.dumps(first))  # and its micro-batches count documents
+            assert mine["train"].pop("microbatch_size") * arm.sequences_per_unit == base["train"].pop("microbatch_size")
+            assert {k: v for k, v in mine.items() if k != "privacy"} == {k: v for k, v in base.items() if k != "privacy"}
+            assert r["privacy"]["target_epsilon"] == first["privacy"]["target_epsilon"]
+        elif arm.private:
             assert rest(r) == first, arm.name
         else:  # the non-private reference may carry its own tuning (nonprivate_set), nothing else
             tuned = {o.partition("=")[0] for o in spec.nonprivate_set}
@@ -79,7 +87,8 @@ def test_private_arms_spend_the_same_epsilon(spec):
         if not arm.private:
             continue
         recipe = arm_recipe(spec, arm)
-        plan = make_plan(recipe, n, dataset_size_source="declared")
+        units = n if arm.unit == "sequence" else recipe.privacy.dataset_size  # documents, declared
+        plan = make_plan(recipe, units, dataset_size_source="declared")
         epsilons.append(plan.ledger.epsilon())
         assert len({s.noise_multiplier for s in plan.schedule.stages}) == 1  # one sigma for a schedule too
     target = arm_recipe(spec, build_arms(spec)[0]).privacy.target_epsilon

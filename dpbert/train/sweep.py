@@ -16,13 +16,18 @@ same code as any run), plus a non-private arm:
     nonprivate_set: ["optimizer.learning_rate=2e-3"]   # the non-private arm's own tuning, if any
     warmup_fraction: 0.1               # warmup steps = this fraction of each arm's steps
     set: ["train.eval_every=0"]        # overrides for every arm (never schedule or privacy)
+    document_recipe: tiny_document.yaml  # optional: one private arm with a whole document as the
+                                       # privacy unit, at the same epsilon and sequences processed
 
 Output: DIR/sweep.json (one row per arm: name, expected_batch_size (the largest for a
 schedule), epsilon, examples, steps, mlm_accuracy, unigram_accuracy, private, and the noise
 multiplier, wall time and stages), a table on stdout, DIR/sweep.png (held-out accuracy
 against batch size, with the non-private and unigram levels as lines), and each arm's run
 folder under DIR/arms/. All arms share one token store (DIR/store). An arm whose row is in
-DIR/arms/NAME.json from an earlier call with the same definition is not rerun.
+DIR/arms/NAME.json from an earlier call with the same definition is not rerun. The document arm
+trains `document_recipe` (the same model and data with `privacy.unit: document`) with its own
+expected documents per step D and cap c: steps = examples / (D x c), and its batch size and examples
+count sequences (D x c per step), so it compares the two units at equal epsilon and compute.
 """
 
 from __future__ import annotations
@@ -39,7 +44,7 @@ from dpbert.atomic import write_json
 from dpbert.train.recipe import load_recipe, read_yaml
 
 SWEEP_FIELDS = ("recipe", "examples", "batch_sizes", "schedule", "nonprivate_batch_size", "nonprivate_set",
-                "warmup_fraction", "target_epsilon", "set")
+                "warmup_fraction", "target_epsilon", "set", "document_recipe")
 # Overrides that would make arms differ in more than their batch-size schedule.
 FORBIDDEN_SET_PREFIXES = ("schedule", "privacy", "optimizer.warmup_steps")
 
@@ -57,6 +62,7 @@ class SweepSpec:
     warmup_fraction: float = 0.1
     target_epsilon: float | None = None
     set: tuple[str, ...] = ()
+    document_recipe: Path | None = None
 
     def __post_init__(self) -> None:
         if self.examples < 1:
@@ -90,16 +96,17 @@ def load_sweep(path: str | os.PathLike[str]) -> SweepSpec:
     for name in ("recipe", "examples", "batch_sizes"):
         if name not in raw:
             raise ValueError(f"sweep {path}: missing field '{name}'")
-    recipe = Path(raw["recipe"])
-    if not recipe.is_absolute():
-        recipe = path.parent / recipe
+    recipe, document_recipe = (None if raw.get(k) is None else Path(raw[k]) for k in ("recipe", "document_recipe"))
+    recipe = recipe if recipe.is_absolute() else path.parent / recipe
+    if document_recipe is not None and not document_recipe.is_absolute():
+        document_recipe = path.parent / document_recipe
     try:
         return SweepSpec(
             recipe=recipe, examples=int(raw["examples"]), batch_sizes=tuple(raw["batch_sizes"]),
             schedule=tuple(raw.get("schedule") or ()), nonprivate_batch_size=raw.get("nonprivate_batch_size"),
             warmup_fraction=float(raw.get("warmup_fraction", 0.1)), target_epsilon=raw.get("target_epsilon"),
             set=tuple(str(s) for s in raw.get("set") or ()),
-            nonprivate_set=tuple(str(s) for s in raw.get("nonprivate_set") or ()),
+            nonprivate_set=tuple(str(s) for s in raw.get("nonprivate_set") or ()), document_recipe=document_recipe,
         )
     except ValueError as err:
         raise ValueError(f"sweep {path}: {err}") from None
@@ -114,6 +121,12 @@ class Arm:
     private: bool
     stages: tuple[tuple[int, int], ...]
     overrides: tuple[str, ...]
+    recipe: Path | None = None  # None: the sweep's recipe
+    sequences_per_unit: int = 1  # a document arm's cap: its stages count documents
+
+    @property
+    def unit(self) -> str:
+        return "sequence" if self.recipe is None else "document"
 
     @property
     def steps(self) -> int:
@@ -121,13 +134,14 @@ class Arm:
 
     @property
     def examples(self) -> int:
-        """Expected examples processed: sum over stages of steps x expected batch size."""
-        return sum(t * b for t, b in self.stages)
+        """Expected sequences processed: sum over stages of steps x expected batch size (x the
+        cap of sequences per document, for a document arm)."""
+        return sum(t * b for t, b in self.stages) * self.sequences_per_unit
 
     @property
     def expected_batch_size(self) -> int:
-        """The (largest, for a schedule) expected batch size."""
-        return max(b for _, b in self.stages)
+        """The (largest, for a schedule) expected batch size, in sequences."""
+        return max(b for _, b in self.stages) * self.sequences_per_unit
 
 
 def _arm(name: str, private: bool, stages: Sequence[tuple[int, int]], spec: SweepSpec) -> Arm:
@@ -157,6 +171,14 @@ def build_arms(spec: SweepSpec) -> list[Arm]:
         share = spec.examples / len(spec.schedule)
         stages = [(max(1, round(share / b)), b) for b in spec.schedule]
         arms.append(_arm("schedule " + "->".join(str(b) for b in spec.schedule), True, stages, spec))
+    if spec.document_recipe is not None:
+        doc = load_recipe(spec.document_recipe, spec.set)
+        if doc.privacy.unit != "document":
+            raise ValueError(f"sweep field 'document_recipe': {spec.document_recipe} has privacy.unit "
+                             f"{doc.privacy.unit!r}, expected 'document'")
+        d, cap = doc.schedule[0].expected_batch_size, doc.privacy.max_sequences_per_document
+        arm = _arm(f"document unit D={d}x{cap}", True, [(max(1, round(spec.examples / (d * cap))), d)], spec)
+        arms.append(dataclasses.replace(arm, recipe=spec.document_recipe, sequences_per_unit=cap))
     if spec.nonprivate_batch_size:
         b = spec.nonprivate_batch_size
         arms.append(_arm(f"non-private B={b}", False, [(max(1, round(spec.examples / b)), b)], spec))
@@ -166,7 +188,7 @@ def build_arms(spec: SweepSpec) -> list[Arm]:
 def arm_recipe(spec: SweepSpec, arm: Arm, store: str | os.PathLike[str] | None = None) -> Any:
     """The validated `Recipe` an arm trains (with the shared token store when given)."""
     extra = () if store is None else (f"data.store={store}",)
-    return load_recipe(spec.recipe, (*arm.overrides, *extra))
+    return load_recipe(arm.recipe or spec.recipe, (*arm.overrides, *extra))
 
 
 # ---------------------------------------------------------------------------- running
@@ -178,7 +200,7 @@ def _row(arm: Arm, result: Any, noise_multiplier: float | None) -> dict[str, Any
         "examples": arm.examples, "steps": arm.steps, "mlm_accuracy": result.eval_mlm_accuracy,
         "unigram_accuracy": result.eval_unigram_accuracy, "private": arm.private,
         "noise_multiplier": noise_multiplier, "stages": [list(s) for s in arm.stages],
-        "mlm_loss": result.eval_mlm_loss, "wall_time_s": result.wall_time_s,
+        "mlm_loss": result.eval_mlm_loss, "wall_time_s": result.wall_time_s, "unit": arm.unit,
     }
 
 
@@ -204,7 +226,7 @@ def run_sweep(
     for i, arm in enumerate(arms):
         row_file = arms_dir / f"{_slug(arm.name)}.json"
         definition = {"stages": [list(s) for s in arm.stages], "overrides": list(arm.overrides),
-                      "recipe": str(spec.recipe)}
+                      "recipe": str(arm.recipe or spec.recipe)}
         if row_file.is_file():
             saved = json.loads(row_file.read_text())
             if saved.get("definition") == definition:
@@ -218,7 +240,7 @@ def run_sweep(
             shutil.rmtree(run_dir)  # an unfinished arm restarts (a resume would need the same recipe)
         log(f"[{i + 1}/{len(arms)}] {arm.name}: {arm.steps} steps, {arm.examples} examples, "
             f"{'private' if arm.private else 'NOT private'}")
-        result = pretrain(spec.recipe, run_dir, overrides=(*arm.overrides, f"data.store={store}"),
+        result = pretrain(arm.recipe or spec.recipe, run_dir, overrides=(*arm.overrides, f"data.store={store}"),
                           progress=progress, log=lambda s: None, release=False)
         sigma = _noise_multiplier(run_dir) if arm.private else None
         row = _row(arm, result, sigma)
@@ -273,8 +295,10 @@ def plot_sweep(rows: Sequence[dict[str, Any]], out: str | os.PathLike[str]) -> P
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fixed = [r for r in rows if r["private"] and len(r["stages"]) == 1]
-    schedules = [r for r in rows if r["private"] and len(r["stages"]) > 1]
+    sequence_rows = [r for r in rows if r.get("unit", "sequence") == "sequence"]
+    fixed = [r for r in sequence_rows if r["private"] and len(r["stages"]) == 1]
+    schedules = [r for r in sequence_rows if r["private"] and len(r["stages"]) > 1]
+    documents = [r for r in rows if r.get("unit") == "document"]
     nonprivate = [r for r in rows if not r["private"]]
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     for ax, key, scale, label in ((axes[0], "mlm_accuracy", 100, "held-out masked-token accuracy (%)"),
@@ -285,6 +309,9 @@ def plot_sweep(rows: Sequence[dict[str, Any]], out: str | os.PathLike[str]) -> P
         for r in schedules:
             ax.scatter([r["expected_batch_size"]], [scale * r[key]], marker="*", s=160, color="C3", zorder=3,
                        label=f"DP-SGD, increasing batch {r['name'].split(' ', 1)[1]}")
+        for r in documents:
+            ax.scatter([r["expected_batch_size"]], [scale * r[key]], marker="s", s=70, color="C4", zorder=3,
+                       label=f"DP-SGD, one document as the unit ({r['name']})")
         for r in nonprivate:
             ax.axhline(scale * r[key], color="C2", linestyle="--", label=f"non-private ({r['name']})")
         if rows and key == "mlm_accuracy":
