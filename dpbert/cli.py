@@ -332,7 +332,8 @@ def _add_sweep(sub: argparse._SubParsersAction) -> None:
         "sweep",
         help="train arms of a recipe that differ only in batch size (same epsilon, same examples); table and plot",
         description="Read a sweep file (e.g. recipes/sweep_tiny.yaml), train each arm (fixed batch sizes, the paper's "
-        "increasing schedule, a non-private arm) and write DIR/sweep.json, DIR/sweep.png and a table.",
+        "increasing schedule, a non-private arm, and an arm with one document as the privacy unit when the file names "
+        "a document_recipe) and write DIR/sweep.json, DIR/sweep.png and a table.",
     )
     p.add_argument("sweep", metavar="SWEEP", help="sweep YAML file (see recipes/sweep_tiny.yaml)")
     p.add_argument("--output-dir", required=True, metavar="DIR", help="sweep folder (arms/, store/, sweep.json, sweep.png)")

@@ -7,8 +7,8 @@ import io
 import json
 from pathlib import Path
 
-import numpy as np
 import pytest
+from hf_classifier import hf_dev_accuracy
 from test_glue import _synthetic_sst2, _tiny_model
 
 from dpbert import cli
@@ -82,19 +82,9 @@ def test_lora_sweep_release_is_merged_accounted_and_verifies(tiny: Path) -> None
     check = verify_folder(model_dir)  # rebuilds the two-run ledger from the recipe it carries
     assert check.ok and check.status == "non-private", check.summary()  # the source has no DP pretraining
 
-    torch = pytest.importorskip("torch")
-    from transformers import AutoModelForSequenceClassification, AutoTokenizer
-
-    from dpbert.data import glue
-
-    hf = AutoModelForSequenceClassification.from_pretrained(str(model_dir)).eval()
-    dev = glue.load_split(glue.get_task("sst2"), tiny / "SST-2", "validation")
-    enc = AutoTokenizer.from_pretrained(str(model_dir))(
-        list(dev.texts[0]), padding="max_length", truncation=True, max_length=12, return_tensors="pt"
-    )
-    with torch.no_grad():
-        preds = hf(**enc).logits.argmax(-1).numpy()
-    assert np.mean(preds == dev.labels) == pytest.approx(result["dev"]["validation"]["accuracy"], abs=0.011)
+    pytest.importorskip("torch")
+    assert hf_dev_accuracy(model_dir, tiny / "SST-2") == pytest.approx(result["dev"]["validation"]["accuracy"],
+                                                                      abs=0.011)
 
 
 def test_trained_subsets_and_their_parameter_counts() -> None:

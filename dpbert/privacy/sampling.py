@@ -202,11 +202,9 @@ def document_sample(
     max_sequences_per_document: int,
     *,
     num_documents: int | None = None,
-    process_index: int = 0,
-    process_count: int = 1,
 ) -> DocumentBatch:
     """Step `step`'s Poisson sample of documents (rate expected_batch_size / num_documents) and
-    up to `max_sequences_per_document` uniformly chosen sequences of each, this process's share.
+    up to `max_sequences_per_document` uniformly chosen sequences of each.
 
     `num_documents` (default: all) is the public N: only the first N documents are sampled.
     `expected_batch_size` and `physical_batch_size` count documents."""
@@ -227,13 +225,8 @@ def document_sample(
         taken = np.arange(length) if length <= cap else np.sort(rng.choice(length, size=cap, replace=False))
         indices[row, : taken.size] = start + taken
         sequence_padding[row, : taken.size] = False
-    if process_count < 1 or not 0 <= process_index < process_count or physical_batch_size % process_count:
-        raise ValueError(f"process_index={process_index}, process_count={process_count}: the physical batch "
-                         f"{physical_batch_size} must divide evenly over the processes")
-    share = physical_batch_size // process_count
-    part = slice(process_index * share, (process_index + 1) * share)
-    documents = np.where(docs.is_padding, 0, docs.indices)
     return DocumentBatch(
-        indices=indices[part], sequence_padding=sequence_padding[part], is_padding=docs.is_padding[part],
-        documents=documents[part], realized_size=docs.realized_size, truncated=docs.truncated,
+        indices=indices, sequence_padding=sequence_padding, is_padding=docs.is_padding,
+        documents=np.where(docs.is_padding, 0, docs.indices), realized_size=docs.realized_size,
+        truncated=docs.truncated,
     )

@@ -82,13 +82,7 @@ def local_batch(
     evenly over the processes. Padding never changes which examples are sampled, so the
     sample, the ledger and the update do not depend on the number of devices or processes.
     `dataset_size` (default: all of `store`) samples from the first that many rows only."""
-    padded = physical_batch_size if padded_batch_size is None else padded_batch_size
-    count, index = jax.process_count(), jax.process_index()
-    if padded < physical_batch_size or padded % count:
-        raise ValueError(
-            f"padded_batch_size={padded} must be >= physical_batch_size={physical_batch_size} and "
-            f"divisible by the {count} processes"
-        )
+    padded, share = _process_share(physical_batch_size, padded_batch_size)
     n = len(store) if dataset_size is None else dataset_size
     if not 1 <= n <= len(store):
         raise ValueError(f"dataset_size={dataset_size} must be in [1, {len(store)}] (the rows of the store)")
@@ -97,9 +91,21 @@ def local_batch(
     indices[:physical_batch_size] = full.indices
     is_padding = np.ones(padded, dtype=bool)
     is_padding[:physical_batch_size] = full.is_padding
-    share = slice(index * (padded // count), (index + 1) * (padded // count))
     sample = dataclasses.replace(full, indices=indices[share], is_padding=is_padding[share])
     return sample, np.asarray(store[sample.indices])
+
+
+def _process_share(physical_batch_size: int, padded_batch_size: int | None) -> tuple[int, slice]:
+    """(padded rows of the compiled step, this process's slice of them): the physical batch padded
+    to `padded_batch_size` (default: no padding), which must divide evenly over the processes."""
+    padded = physical_batch_size if padded_batch_size is None else padded_batch_size
+    count, index = jax.process_count(), jax.process_index()
+    if padded < physical_batch_size or padded % count:
+        raise ValueError(
+            f"padded_batch_size={padded} must be >= physical_batch_size={physical_batch_size} and "
+            f"divisible by the {count} processes"
+        )
+    return padded, slice(index * (padded // count), (index + 1) * (padded // count))
 
 
 def local_document_batch(
@@ -118,13 +124,7 @@ def local_document_batch(
     process's share of the step's document sample, padded with padding documents to
     `padded_batch_size`, and its rows [documents, max_sequences_per_document, seq_len] (only the
     taken sequences are read; unused slots read row 0 and are masked by `sequence_padding`)."""
-    padded = physical_batch_size if padded_batch_size is None else padded_batch_size
-    count, index = jax.process_count(), jax.process_index()
-    if padded < physical_batch_size or padded % count:
-        raise ValueError(
-            f"padded_batch_size={padded} must be >= physical_batch_size={physical_batch_size} and "
-            f"divisible by the {count} processes"
-        )
+    padded, share = _process_share(physical_batch_size, padded_batch_size)
     full = document_sample(run_key, step, document_offsets, expected_batch_size, physical_batch_size,
                            max_sequences_per_document, num_documents=num_documents)
     cap = max_sequences_per_document
@@ -134,7 +134,6 @@ def local_document_batch(
         "is_padding": (np.ones(padded, bool), full.is_padding),
         "documents": (np.zeros(padded, np.int64), full.documents),
     }
-    share = slice(index * (padded // count), (index + 1) * (padded // count))
     out = {}
     for name, (buffer, value) in fields.items():
         buffer[:physical_batch_size] = value
