@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip install -q
 
-.PHONY: run test setup setup-test browser
+.PHONY: run test setup setup-test browser lint
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -22,6 +22,11 @@ setup: $(VENV)/bin/python
 setup-test: setup
 	$(PIP) -e ".[test,crosscheck]"
 
+# The formatter and linter (configured in pyproject.toml): the tree must be clean.
+lint: setup-test
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/ruff check .
+
 # Debian's Chromium for the headless demo test.
 browser:
 	@command -v chromium >/dev/null || (apt-get update -qq && apt-get install -y -qq chromium >/dev/null)
@@ -31,5 +36,5 @@ browser:
 run: setup
 	$(VENV)/bin/dpbert pretrain recipes/tiny.yaml --output-dir runs/tiny --fill-mask
 
-test: setup-test browser
+test: setup-test browser lint
 	$(PY) -m pytest -q -n 2 --durations=15

@@ -80,9 +80,16 @@ def child_preset(model: str, what: str) -> dict:
     from dpbert.privacy.noise import privatize
 
     layers, hidden, heads, vocab = PRESETS[model]
-    config = BertConfig(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
-                        intermediate_size=4 * hidden, max_position_embeddings=SEQ, hidden_dropout_prob=0.0,
-                        attention_probs_dropout_prob=0.0)
+    config = BertConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        intermediate_size=4 * hidden,
+        max_position_embeddings=SEQ,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )
     graphdef, params = functional.split_params(nnx.eval_shape(lambda: BertForMaskedLM(config, rngs=nnx.Rngs(0))))
     loss = MLMGhostLoss(graphdef=graphdef)
     optimizer = optax.sgd(1e-4)
@@ -102,12 +109,21 @@ def child_preset(model: str, what: str) -> dict:
         step = make_train_step(loss, optimizer, microbatch_size=BATCH, donate=False)
         lower = lambda: step.lower(params, opt_state, batch, padding, key)  # noqa: E731
     elif what == "dp":
-        step = make_dp_train_step(loss, optimizer, clip_norm=1.0, noise_multiplier=1.0, expected_batch_size=BATCH,
-                                  microbatch_size=MICROBATCH, donate=False, clipping_method="ghost")
+        step = make_dp_train_step(
+            loss,
+            optimizer,
+            clip_norm=1.0,
+            noise_multiplier=1.0,
+            expected_batch_size=BATCH,
+            microbatch_size=MICROBATCH,
+            donate=False,
+            clipping_method="ghost",
+        )
         lower = lambda: step.lower(params, opt_state, batch, padding, key)  # noqa: E731
     elif what == "ghost_sum":
-        fn = jax.jit(lambda p, b, pad, k: ghost_clipped_grad_sum(loss, p, b, pad, k, clip_norm=1.0,
-                                                                 microbatch_size=MICROBATCH))
+        fn = jax.jit(
+            lambda p, b, pad, k: ghost_clipped_grad_sum(loss, p, b, pad, k, clip_norm=1.0, microbatch_size=MICROBATCH)
+        )
         lower = lambda: fn.lower(params, batch, padding, key)  # noqa: E731
     elif what == "noise":
         fn = jax.jit(lambda p, k: privatize(p, k, clip_norm=1.0, noise_multiplier=1.0, expected_batch_size=BATCH))
@@ -115,39 +131,58 @@ def child_preset(model: str, what: str) -> dict:
     else:
         raise ValueError(what)
     lower_s, compile_s, compile_cpu_s, _ = _timed(lower)
-    return {"kind": "preset", "model": model, "what": what, "lower_s": round(lower_s, 2),
-            "compile_s": round(compile_s, 2), "compile_cpu_s": round(compile_cpu_s, 2),
-            "total_s": round(lower_s + compile_s, 2),
-            "rss_before_gb": round(base_rss, 2), "peak_rss_gb": round(_rss_gb(), 2)}
+    return {
+        "kind": "preset",
+        "model": model,
+        "what": what,
+        "lower_s": round(lower_s, 2),
+        "compile_s": round(compile_s, 2),
+        "compile_cpu_s": round(compile_cpu_s, 2),
+        "total_s": round(lower_s + compile_s, 2),
+        "rss_before_gb": round(base_rss, 2),
+        "peak_rss_gb": round(_rss_gb(), 2),
+    }
 
 
 def child_microbatch(size: int, private: bool, expected: int) -> dict:
+    import dpbert
     from dpbert.train.compile import compile_step
     from dpbert.train.mesh import make_mesh
     from dpbert.train.recipe import load_recipe
 
-    import dpbert
-
     # The recipe file of the dpbert being measured, at the issue's shape: one stage at `expected`,
     # the full bert-base-uncased vocabulary (4.4M parameters), whatever the file's schedule says.
-    overrides = [f"train.microbatch_size={size}", f"schedule=[{{steps: 300, expected_batch_size: {expected}}}]",
-                 f"model.vocab_size={RECIPE_VOCAB}"]
+    overrides = [
+        f"train.microbatch_size={size}",
+        f"schedule=[{{steps: 300, expected_batch_size: {expected}}}]",
+        f"model.vocab_size={RECIPE_VOCAB}",
+    ]
     if not private:
         overrides.append("privacy.enabled=false")
     recipe = load_recipe(Path(dpbert.__file__).resolve().parents[1] / "recipes" / "tiny.yaml", overrides)
     started, cpu = time.perf_counter(), time.process_time()
     report = compile_step(recipe, make_mesh())
-    return {"kind": "microbatch", "cpu_s": round(time.process_time() - cpu, 2), "private": private, "microbatch": size, "expected_batch": expected,
-            "physical_batch": report.physical_batch_size, "params": report.num_params,
-            "compile_s": round(report.compile_seconds, 2), "wall_s": round(time.perf_counter() - started, 2),
-            "peak_rss_gb": round(_rss_gb(), 2), "temp_gib": round(report.temp_bytes / 2**30, 3)}
+    return {
+        "kind": "microbatch",
+        "cpu_s": round(time.process_time() - cpu, 2),
+        "private": private,
+        "microbatch": size,
+        "expected_batch": expected,
+        "physical_batch": report.physical_batch_size,
+        "params": report.num_params,
+        "compile_s": round(report.compile_seconds, 2),
+        "wall_s": round(time.perf_counter() - started, 2),
+        "peak_rss_gb": round(_rss_gb(), 2),
+        "temp_gib": round(report.temp_bytes / 2**30, 3),
+    }
 
 
 def run_child(args: list[str], rss_cap_gb: float, timeout_s: float) -> dict:
     """Run this script as a child; kill it past `rss_cap_gb` resident or `timeout_s` seconds."""
     env = dict(os.environ, JAX_PLATFORMS="cpu")
-    proc = subprocess.Popen([sys.executable, __file__, "_child", *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=env)
+    proc = subprocess.Popen(
+        [sys.executable, __file__, "_child", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
+    )
     killed: list[str] = []
 
     def watch() -> None:
@@ -192,15 +227,23 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("mode", choices=["presets", "microbatch"])
     p.add_argument("--models", nargs="+", default=list(PRESETS), choices=list(PRESETS))
-    p.add_argument("--what", nargs="+", default=["nonprivate", "dp", "ghost_sum", "noise"],
-                   choices=["nonprivate", "dp", "ghost_sum", "noise"])
+    p.add_argument(
+        "--what",
+        nargs="+",
+        default=["nonprivate", "dp", "ghost_sum", "noise"],
+        choices=["nonprivate", "dp", "ghost_sum", "noise"],
+    )
     p.add_argument("--sizes", nargs="+", type=int, default=[16, 64, 256, 1024])
     p.add_argument("--expected-batch", type=int, default=4096)
     p.add_argument("--no-nonprivate", action="store_true", help="microbatch: skip the non-private twin")
     p.add_argument("--rss-cap-gb", type=float, default=10.0)
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per child")
-    p.add_argument("--repeat", type=int, default=1, help="fresh processes per figure; the fastest is kept "
-                   "(the machine's load only ever adds time)")
+    p.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="fresh processes per figure; the fastest is kept (the machine's load only ever adds time)",
+    )
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     jobs: list[list[str]] = []

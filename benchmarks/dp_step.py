@@ -43,8 +43,12 @@ CONFIGS = {"tiny (2x128)": (2, 128), "mini (4x256)": (4, 256)}
 
 def build(layers: int, hidden: int):
     config = BertConfig(
-        vocab_size=VOCAB, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=max(hidden // 64, 2),
-        intermediate_size=4 * hidden, max_position_embeddings=SEQ,
+        vocab_size=VOCAB,
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=max(hidden // 64, 2),
+        intermediate_size=4 * hidden,
+        max_position_embeddings=SEQ,
     )
     graphdef, params = functional.split_params(BertForMaskedLM(config, rngs=nnx.Rngs(0)))
     return MLMGhostLoss(graphdef=graphdef), params
@@ -86,7 +90,12 @@ def compiled_memory(loss_fn, params, opt, expected: int, microbatch: int) -> tup
     """(working bytes, working + argument bytes) of the compiled DP step at this expected batch."""
     physical = physical_batch_size(expected, 10 * expected, multiple=microbatch)
     step = make_dp_train_step(
-        loss_fn, opt, clip_norm=1.0, noise_multiplier=1.0, expected_batch_size=expected, microbatch_size=microbatch,
+        loss_fn,
+        opt,
+        clip_norm=1.0,
+        noise_multiplier=1.0,
+        expected_batch_size=expected,
+        microbatch_size=microbatch,
         clipping_method="ghost",
     )
     shapes = jax.eval_shape(lambda: batch_of(1))
@@ -112,8 +121,13 @@ def main() -> None:
         loss_fn, params = build(layers, hidden)
         opt = default_optimizer(1e-4)
         dp = make_dp_train_step(
-            loss_fn, opt, clip_norm=1.0, noise_multiplier=1.0, expected_batch_size=args.batch,
-            microbatch_size=args.microbatch, clipping_method="ghost",
+            loss_fn,
+            opt,
+            clip_norm=1.0,
+            noise_multiplier=1.0,
+            expected_batch_size=args.batch,
+            microbatch_size=args.microbatch,
+            clipping_method="ghost",
         )
         rates = examples_per_second(
             {
@@ -121,7 +135,11 @@ def main() -> None:
                 "one pass": make_train_step(loss_fn, opt, microbatch_size=args.batch),
                 "micro-batches": make_train_step(loss_fn, opt, microbatch_size=args.microbatch),
             },
-            params, opt, batch, pad, args.steps,
+            params,
+            opt,
+            batch,
+            pad,
+            args.steps,
         )
         dp_rate = rates.pop("dp")
         best = max(rates, key=rates.get)

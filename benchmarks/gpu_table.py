@@ -17,10 +17,20 @@ import sys
 from pathlib import Path
 from typing import Any
 
-BENCH_RUNS = (("base", "float32", 64), ("base", "bfloat16", 64), ("base", "float32", 256),
-              ("base", "bfloat16", 256), ("large", "bfloat16", 256))
-PEERS = ("torch non-private", "torch non-private (bf16 autocast)", "opacus DP", "opacus DP (hooks)",
-         "opacus DP (ghost)")
+BENCH_RUNS = (
+    ("base", "float32", 64),
+    ("base", "bfloat16", 64),
+    ("base", "float32", 256),
+    ("base", "bfloat16", 256),
+    ("large", "bfloat16", 256),
+)
+PEERS = (
+    "torch non-private",
+    "torch non-private (bf16 autocast)",
+    "opacus DP",
+    "opacus DP (hooks)",
+    "opacus DP (ghost)",
+)
 TORCH_BF16 = "torch non-private (bf16 autocast)"
 LARGE_DP_TARGET = 1265.0  # PyTorch BERT-Large with bf16 autocast, batch 256, on the H200 (examples/s)
 MAX_COMPILE_S = 60.0
@@ -39,13 +49,18 @@ def load_bench(out: Path) -> dict[tuple[str, str, int], dict[str, Any]]:
     for (model, _, batch), result in found.items():
         if any(p in result["examples_per_s"] for p in PEERS):
             continue
-        donors = [r for (m, _, b), r in found.items() if (m, b) == (model, batch) and any(
-            p in r["examples_per_s"] for p in PEERS)]
+        donors = [
+            r
+            for (m, _, b), r in found.items()
+            if (m, b) == (model, batch) and any(p in r["examples_per_s"] for p in PEERS)
+        ]
         if donors:
             for p in PEERS:
                 if p in donors[0]["examples_per_s"]:
                     result["examples_per_s"][p] = donors[0]["examples_per_s"][p]
-                    result["device_by_row"][p] = f"{donors[0]['device_by_row'].get(p)} (from the {donors[0]['dtype']} run)"
+                    result["device_by_row"][p] = (
+                        f"{donors[0]['device_by_row'].get(p)} (from the {donors[0]['dtype']} run)"
+                    )
     return found
 
 
@@ -97,9 +112,11 @@ def table(out: Path) -> str:
     for name, s in runs.items():
         if s is not None:
             label = f"{name} ({s['steps']} steps)"
-            lines.append(f"{'tiny B=4096 pretrain':<22}{label:<36}{_num(s['first_step_s']):>10}"
-                         f"{_num(s['examples_per_s']):>12}   held-out MLM accuracy {_num(s['accuracy'], '.4f')}, "
-                         f"epsilon {_num(s['epsilon'], '.2f')} (compile s: the first step)")
+            lines.append(
+                f"{'tiny B=4096 pretrain':<22}{label:<36}{_num(s['first_step_s']):>10}"
+                f"{_num(s['examples_per_s']):>12}   held-out MLM accuracy {_num(s['accuracy'], '.4f')}, "
+                f"epsilon {_num(s['epsilon'], '.2f')} (compile s: the first step)"
+            )
     lines.append("")
     lines.append("targets (issue 30, one H200):")
     for model in ("base", "large"):
@@ -111,19 +128,24 @@ def table(out: Path) -> str:
         dp = rows.get(r["best_dp"])
         opacus = [v for k, v in rows.items() if k.startswith("opacus") and isinstance(v, float)]
         lines.append(f"  {model} bf16 256 DP / non-private:        {_check(r['dp_over_nonprivate'], 0.90)}")
-        lines.append(f"  {model} bf16 256 DP / best Opacus:        "
-                     f"{_check(_ratio(dp, max(opacus)) if opacus else None, 3.0)}")
-        lines.append(f"  {model} bf16 256 non-private / torch bf16: "
-                     f"{_check(_ratio(rows.get(r['best_nonprivate']), rows.get(TORCH_BF16)), 1.0)}")
+        lines.append(
+            f"  {model} bf16 256 DP / best Opacus:        {_check(_ratio(dp, max(opacus)) if opacus else None, 3.0)}"
+        )
+        lines.append(
+            f"  {model} bf16 256 non-private / torch bf16: "
+            f"{_check(_ratio(rows.get(r['best_nonprivate']), rows.get(TORCH_BF16)), 1.0)}"
+        )
         if model == "large":
             lines.append(f"  large bf16 256 DP examples/s:            {_check(dp, LARGE_DP_TARGET)}")
             longest = max((v for v in r["compile_seconds"].values() if v is not None), default=None)
             lines.append(f"  large longest compile, s:                {_check(longest, MAX_COMPILE_S, at_least=False)}")
     dp, np_ = runs["dp"], runs["nonprivate"]
     if dp and np_:
-        lines.append(f"  tiny B=4096 pretrain DP / non-private:   "
-                     f"{_num(_ratio(dp['examples_per_s'], np_['examples_per_s']), '.2f')} examples/s; held-out "
-                     f"accuracy {_num(dp['accuracy'], '.4f')} vs {_num(np_['accuracy'], '.4f')}")
+        lines.append(
+            f"  tiny B=4096 pretrain DP / non-private:   "
+            f"{_num(_ratio(dp['examples_per_s'], np_['examples_per_s']), '.2f')} examples/s; held-out "
+            f"accuracy {_num(dp['accuracy'], '.4f')} vs {_num(np_['accuracy'], '.4f')}"
+        )
     notes = out / "notes.txt"
     if notes.is_file():
         lines += ["", "notes:", *(f"  {line}" for line in notes.read_text().splitlines())]

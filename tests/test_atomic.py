@@ -38,10 +38,9 @@ def test_replace_dir_swaps_whole_folders_and_keeps_the_old_one_on_error(tmp_path
     with replace_dir(out) as tmp:
         (tmp / "a.txt").write_text("one")
     assert (out / "a.txt").read_text() == "one"
-    with pytest.raises(RuntimeError, match="boom"):
-        with replace_dir(out) as tmp:
-            (tmp / "b.txt").write_text("half")
-            raise RuntimeError("boom")
+    with pytest.raises(RuntimeError, match="boom"), replace_dir(out) as tmp:
+        (tmp / "b.txt").write_text("half")
+        raise RuntimeError("boom")
     assert sorted(p.name for p in out.iterdir()) == ["a.txt"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["release"]  # no temporary left behind
     with replace_dir(out) as tmp:

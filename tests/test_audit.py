@@ -9,7 +9,6 @@ import scipy.stats
 from dpbert.privacy import audit
 from dpbert.privacy.randomness import SUPPLIED, RunSecret
 
-
 # ---------------------------------------------------------------- the bound itself
 
 
@@ -30,9 +29,9 @@ def test_perfect_guesser_gives_the_known_maximal_bound():
         got = audit.epsilon_lower_bound(num_canaries=2 * r, num_guesses=r, num_correct=r, delta=0.0)
         assert got == pytest.approx(expected, rel=1e-7)
     # r = 100: logit(0.05^(1/100)) = 3.4930 (by hand)
-    assert audit.epsilon_lower_bound(
-        num_canaries=1000, num_guesses=100, num_correct=100, delta=0.0
-    ) == pytest.approx(3.4930, abs=1e-4)
+    assert audit.epsilon_lower_bound(num_canaries=1000, num_guesses=100, num_correct=100, delta=0.0) == pytest.approx(
+        3.4930, abs=1e-4
+    )
 
 
 def test_bound_is_where_the_p_value_crosses_the_significance():
@@ -92,10 +91,14 @@ def test_guess_grid_drops_only_sizes_that_cannot_give_a_positive_bound():
     # 0.05 / 23 even 8 perfect guesses reject nothing (2^-8 = 0.0039 > 0.0022), 16 do.
     grid = audit.guess_grid(2000)
     assert len(grid) == 16 and min(k + j for k, j in grid) == 16 and (2000, 0) in grid and (1000, 1000) in grid
-    assert audit.epsilon_lower_bound(num_canaries=2000, num_guesses=8, num_correct=8, delta=0.0,
-                                     significance=0.05 / 23) == 0.0
-    assert audit.epsilon_lower_bound(num_canaries=2000, num_guesses=16, num_correct=16, delta=0.0,
-                                     significance=0.05 / 16) > 0.0
+    assert (
+        audit.epsilon_lower_bound(num_canaries=2000, num_guesses=8, num_correct=8, delta=0.0, significance=0.05 / 23)
+        == 0.0
+    )
+    assert (
+        audit.epsilon_lower_bound(num_canaries=2000, num_guesses=16, num_correct=16, delta=0.0, significance=0.05 / 16)
+        > 0.0
+    )
     # A stricter confidence needs more guesses before any can help; a tiny audit keeps its largest size.
     assert min(k + j for k, j in audit.guess_grid(2000, confidence=0.99999)) == 32
     assert audit.guess_grid(2) == ((2, 0), (1, 1))
@@ -160,10 +163,25 @@ def test_empirical_figures_say_when_jax_privacy_is_absent(monkeypatch):
     assert figures["auroc"] == audit.auroc(scores, included) and 0.6 < figures["auroc"] < 0.9
     assert [r["fpr"] for r in figures["tpr_at_fpr"]] == list(audit.LOW_FPRS)
     assert figures["empirical"] == audit.EMPIRICAL and "none is a privacy guarantee" in audit.EMPIRICAL
-    report = AuditReport(kind="gradient", recipe="r.yaml", epsilon_claimed=8.0, delta=1e-5, epsilon_lower_bound=0.5,
-                         epsilon_lower_bound_max_over_k=0.7, confidence=0.95, num_canaries=500, num_included=250,
-                         num_guesses=64, num_correct=50, k_plus=32, k_minus=32, num_candidates=10, score="sum",
-                         date="2026-01-01T00:00:00+00:00", **figures)
+    report = AuditReport(
+        kind="gradient",
+        recipe="r.yaml",
+        epsilon_claimed=8.0,
+        delta=1e-5,
+        epsilon_lower_bound=0.5,
+        epsilon_lower_bound_max_over_k=0.7,
+        confidence=0.95,
+        num_canaries=500,
+        num_included=250,
+        num_guesses=64,
+        num_correct=50,
+        k_plus=32,
+        k_minus=32,
+        num_candidates=10,
+        score="sum",
+        date="2026-01-01T00:00:00+00:00",
+        **figures,
+    )
     table = format_table(report)
     assert "AUROC (empirical)" in table and "TPR at low FPR (empirical)" in table and crosscheck.MISSING in table
     assert report.to_dict()["jax_privacy"]["available"] is False
@@ -243,9 +261,17 @@ def test_full_batch_engine_bound_is_within_a_factor_4_of_the_claim(target):
     from dpbert.privacy.canaries import GradientCanaryConfig, run_gradient_canary_audit
 
     schedule = BatchSchedule.constant(steps=1, expected_batch_size=_included(), noise_multiplier=1.0)
-    result = run_gradient_canary_audit(GradientCanaryConfig(
-        schedule=schedule, num_canaries=2000, num_other_examples=0, clip_norm=1.0, delta=1e-5, secret=_SECRET,
-        target_epsilon=target))
+    result = run_gradient_canary_audit(
+        GradientCanaryConfig(
+            schedule=schedule,
+            num_canaries=2000,
+            num_other_examples=0,
+            clip_norm=1.0,
+            delta=1e-5,
+            secret=_SECRET,
+            target_epsilon=target,
+        )
+    )
     assert result.ledger.stages[0].sampling_rate == 1.0
     assert result.epsilon_claimed == pytest.approx(target, rel=0.01)
     assert target / 4 <= result.audit.epsilon_lower_bound <= result.epsilon_claimed
@@ -272,18 +298,45 @@ def audit_recipe(tmp_path_factory):
     corpus.mkdir()
     rng = random.Random(0)
     for d in range(40):
-        (corpus / f"doc{d:03d}.txt").write_text(" ".join(rng.choice(_PHRASES).format(w=rng.choice(_SLOTS)) for _ in range(8)))
+        (corpus / f"doc{d:03d}.txt").write_text(
+            " ".join(rng.choice(_PHRASES).format(w=rng.choice(_SLOTS)) for _ in range(8))
+        )
     recipe = {
-        "model": {"hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2, "intermediate_size": 64,
-                  "hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0},
-        "data": {"corpus": str(corpus), "store": str(root / "store"), "tokenizer": "train", "train_vocab_size": 120,
-                 "seq_len": 24, "eval_fraction": 0.1, "num_proc": 1},
+        "model": {
+            "hidden_size": 32,
+            "num_hidden_layers": 1,
+            "num_attention_heads": 2,
+            "intermediate_size": 64,
+            "hidden_dropout_prob": 0.0,
+            "attention_probs_dropout_prob": 0.0,
+        },
+        "data": {
+            "corpus": str(corpus),
+            "store": str(root / "store"),
+            "tokenizer": "train",
+            "train_vocab_size": 120,
+            "seq_len": 24,
+            "eval_fraction": 0.1,
+            "num_proc": 1,
+        },
         "schedule": [{"steps": 4, "expected_batch_size": 32}],
-        "privacy": {"enabled": True, "clip_norm": 1.0, "delta": 1.0e-4, "accountant": "rdp",
-                    "noise_multiplier": 1.0, "target_epsilon": 50.0},
+        "privacy": {
+            "enabled": True,
+            "clip_norm": 1.0,
+            "delta": 1.0e-4,
+            "accountant": "rdp",
+            "noise_multiplier": 1.0,
+            "target_epsilon": 50.0,
+        },
         "optimizer": {"learning_rate": 1.0e-2, "warmup_steps": 1},
-        "train": {"microbatch_size": 16, "checkpoint_every": 4, "eval_every": 4, "eval_batches": 1,
-                  "eval_batch_size": 16, "log_every": 1},
+        "train": {
+            "microbatch_size": 16,
+            "checkpoint_every": 4,
+            "eval_every": 4,
+            "eval_batches": 1,
+            "eval_batch_size": 16,
+            "log_every": 1,
+        },
         "report": {"fill_mask": [], "top_k": 3},
     }
     path = root / "audit.yaml"
@@ -291,8 +344,16 @@ def audit_recipe(tmp_path_factory):
     from dpbert.data.store import prepare_store
 
     d = recipe["data"]
-    prepare_store(root / "store", corpus=d["corpus"], tokenizer="train", seq_len=d["seq_len"],
-                  eval_fraction=d["eval_fraction"], seed=0, train_vocab_size=d["train_vocab_size"], num_proc=1)
+    prepare_store(
+        root / "store",
+        corpus=d["corpus"],
+        tokenizer="train",
+        seq_len=d["seq_len"],
+        eval_fraction=d["eval_fraction"],
+        seed=0,
+        train_vocab_size=d["train_vocab_size"],
+        num_proc=1,
+    )
     return path, root
 
 
@@ -353,8 +414,23 @@ def test_gradient_canary_audit_of_a_recipe_uses_its_privacy_plan(audit_recipe, t
 
     recipe, root = audit_recipe
     out = tmp_path / "grad"
-    assert cli.main(["audit", str(recipe), "--output-dir", str(out), "--canaries", "300", "--kind", "gradient",
-                     "--set", "privacy.noise_multiplier=0.8"]) == 0
+    assert (
+        cli.main(
+            [
+                "audit",
+                str(recipe),
+                "--output-dir",
+                str(out),
+                "--canaries",
+                "300",
+                "--kind",
+                "gradient",
+                "--set",
+                "privacy.noise_multiplier=0.8",
+            ]
+        )
+        == 0
+    )
     table = capsys.readouterr().out
     assert "claimed epsilon" in table and "lower bound (95% conf.)" in table
     assert "AUROC (empirical)" in table and "TPR at low FPR (empirical)" in table
@@ -364,8 +440,10 @@ def test_gradient_canary_audit_of_a_recipe_uses_its_privacy_plan(audit_recipe, t
     assert 0.0 <= report["auroc"] <= 1.0 and [r["fpr"] for r in report["tpr_at_fpr"]] == [0.01, 0.001]
     assert "none is a privacy guarantee" in report["empirical"] and "available" in report["jax_privacy"]
     # The claim is the one the trainer would make for the same data plus the included canaries.
-    plan = make_plan(load_recipe(recipe, ["privacy.noise_multiplier=0.8"]),
-                     len(TokenStore.open(root / "store")) + report["num_included"])
+    plan = make_plan(
+        load_recipe(recipe, ["privacy.noise_multiplier=0.8"]),
+        len(TokenStore.open(root / "store")) + report["num_included"],
+    )
     assert report["epsilon_claimed"] == pytest.approx(plan.ledger.epsilon(), rel=1e-9)
     assert 0.0 <= report["epsilon_lower_bound"] <= report["epsilon_claimed"]
     assert not (out / "run").exists()
@@ -388,21 +466,40 @@ def audited_release(audit_recipe, tmp_path):
     recipe, root = audit_recipe
     store = TokenStore.open(root / "store")
     model = tmp_path / "hf"
-    BertForMaskedLM(BertConfig(vocab_size=store.manifest.vocab_size, hidden_size=32, num_hidden_layers=1,
-                               num_attention_heads=2, intermediate_size=64,
-                               max_position_embeddings=32)).save_pretrained(model)
+    BertForMaskedLM(
+        BertConfig(
+            vocab_size=store.manifest.vocab_size,
+            hidden_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            intermediate_size=64,
+            max_position_embeddings=32,
+        )
+    ).save_pretrained(model)
     ledger = make_plan(load_recipe(recipe, ["privacy.noise_multiplier=0.8"]), len(store)).ledger.to_dict()
-    meta = ReleaseMetadata(guarantees=(Guarantee.from_ledger(scope="pretraining", data="test corpus", ledger=ledger,
-                                                         randomness={"source": "os-csprng"}),),
-                           vocabulary_origin="trained on the test corpus", vocabulary_covered=False)
-    info = CardInfo(model_name="tiny-dp", architecture="BERT, 1 layer", reproduce_command="dpbert pretrain r.yaml",
-                    mlm_accuracy=0.25)
-    return write_release(tmp_path / "release", model=model, meta=meta, info=info,
-                         tokenizer_dir=root / "store" / "tokenizer")
+    meta = ReleaseMetadata(
+        guarantees=(
+            Guarantee.from_ledger(
+                scope="pretraining", data="test corpus", ledger=ledger, randomness={"source": "os-csprng"}
+            ),
+        ),
+        vocabulary_origin="trained on the test corpus",
+        vocabulary_covered=False,
+    )
+    info = CardInfo(
+        model_name="tiny-dp",
+        architecture="BERT, 1 layer",
+        reproduce_command="dpbert pretrain r.yaml",
+        mlm_accuracy=0.25,
+    )
+    return write_release(
+        tmp_path / "release", model=model, meta=meta, info=info, tokenizer_dir=root / "store" / "tokenizer"
+    )
 
 
-def test_audit_adds_a_labelled_lower_bound_to_a_release_that_still_verifies(audit_recipe, audited_release,
-                                                                             tmp_path, capsys):
+def test_audit_adds_a_labelled_lower_bound_to_a_release_that_still_verifies(
+    audit_recipe, audited_release, tmp_path, capsys
+):
     import hashlib
     import json
 
@@ -420,16 +517,43 @@ def test_audit_adds_a_labelled_lower_bound_to_a_release_that_still_verifies(audi
     out = tmp_path / "grad"
     # Few canaries: the audit run's dataset (144 sequences + the included canaries) stays close to the
     # release's, as it does at any real scale.
-    assert cli.main(["audit", str(recipe), "--output-dir", str(out), "--canaries", "10", "--kind", "gradient",
-                     "--set", "privacy.noise_multiplier=0.8", "--card", str(release)]) == 0
+    assert (
+        cli.main(
+            [
+                "audit",
+                str(recipe),
+                "--output-dir",
+                str(out),
+                "--canaries",
+                "10",
+                "--kind",
+                "gradient",
+                "--set",
+                "privacy.noise_multiplier=0.8",
+                "--card",
+                str(release),
+            ]
+        )
+        == 0
+    )
     assert "audited figure (gradient canaries" in capsys.readouterr().out
     report = json.loads((out / "audit.json").read_text())
 
     privacy = json.loads((release / "privacy.json").read_text())
     assert privacy["guarantees"] == guarantees_before  # the guarantee itself is untouched
     (figure,) = privacy["audits"]
-    for key in ("kind", "epsilon_claimed", "delta", "epsilon_lower_bound", "confidence", "num_canaries",
-                "num_guesses", "num_correct", "date", "recipe"):
+    for key in (
+        "kind",
+        "epsilon_claimed",
+        "delta",
+        "epsilon_lower_bound",
+        "confidence",
+        "num_canaries",
+        "num_guesses",
+        "num_correct",
+        "date",
+        "recipe",
+    ):
         assert figure[key] == report[key], key
     assert figure["scope"] == "pretraining" and figure["kind"] == "gradient" and figure["num_canaries"] == 10
     assert figure["epsilon_release"] == pytest.approx(guarantees_before[0]["epsilon"], rel=1e-12)
@@ -442,7 +566,9 @@ def test_audit_adds_a_labelled_lower_bound_to_a_release_that_still_verifies(audi
     section = card[card.index("## Privacy audit") : card.index("## Evaluation")]
     assert "(empirical lower bound, not a guarantee)" in section
     assert "does **not** certify the guarantee" in section
-    assert f"| {figure['epsilon_lower_bound']:.4g} | 95% | {figure['num_guesses']} ({figure['num_correct']}) |" in section
+    assert (
+        f"| {figure['epsilon_lower_bound']:.4g} | 95% | {figure['num_guesses']} ({figure['num_correct']}) |" in section
+    )
     # The rest of the body is as export wrote it.
     assert card_before.split("## Privacy guarantee")[1].split("## Evaluation")[0] in card
     assert card.split("## Evaluation")[1] == card_before.split("## Evaluation")[1]
@@ -476,9 +602,19 @@ def test_audit_is_refused_for_another_privacy_plan_or_a_broken_release(audited_r
 
     release = audited_release
     epsilon = json.loads((release / "privacy.json").read_text())["guarantees"][0]["epsilon"]
-    report = {"audit": True, "kind": "gradient", "epsilon_claimed": epsilon, "delta": 1e-4,
-              "epsilon_lower_bound": 0.1, "confidence": 0.95, "num_canaries": 100, "num_guesses": 10,
-              "num_correct": 8, "date": "2026-01-01T00:00:00+00:00", "recipe": "r.yaml"}
+    report = {
+        "audit": True,
+        "kind": "gradient",
+        "epsilon_claimed": epsilon,
+        "delta": 1e-4,
+        "epsilon_lower_bound": 0.1,
+        "confidence": 0.95,
+        "num_canaries": 100,
+        "num_guesses": 10,
+        "num_correct": 8,
+        "date": "2026-01-01T00:00:00+00:00",
+        "recipe": "r.yaml",
+    }
     before = {p.name: p.read_bytes() for p in release.iterdir()}
     with pytest.raises(ValueError, match="different privacy plan"):
         add_audit(release, {**report, "epsilon_claimed": 2 * epsilon})
@@ -491,7 +627,8 @@ def test_audit_is_refused_for_another_privacy_plan_or_a_broken_release(audited_r
     assert {p.name: p.read_bytes() for p in release.iterdir()} == before
     # A release whose metadata does not verify gets no audited figure.
     (release / "config.json").write_text(
-        (release / "config.json").read_text().replace(f'"epsilon": {epsilon}', '"epsilon": 0.5'))
+        (release / "config.json").read_text().replace(f'"epsilon": {epsilon}', '"epsilon": 0.5')
+    )
     with pytest.raises(ValueError, match="does not verify"):
         add_audit(release, report)
     assert "audits" not in json.loads((release / "privacy.json").read_text())

@@ -18,8 +18,26 @@ from dpbert.train.recipe import load_recipe
 
 @pytest.mark.parametrize("microbatch", ["1", "auto"])
 def test_bench_ratio_is_over_the_best_nonprivate_row(capsys, tmp_path, microbatch):
-    assert main(["bench", "--batch", "4", "--microbatch", microbatch, "--steps", "1", "--no-peers", "--no-memory",
-                 "--no-vmap", "--json", "--layer-mode", "ghost"]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                "--batch",
+                "4",
+                "--microbatch",
+                microbatch,
+                "--steps",
+                "1",
+                "--no-peers",
+                "--no-memory",
+                "--no-vmap",
+                "--json",
+                "--layer-mode",
+                "ghost",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     result = json.loads(out)
     sizes = result["microbatch_by_row"]
@@ -45,8 +63,9 @@ def test_bench_ratio_is_over_the_best_nonprivate_row(capsys, tmp_path, microbatc
 
 
 def _gpu_table():
-    spec = importlib.util.spec_from_file_location("gpu_table", Path(__file__).resolve().parents[1] / "benchmarks"
-                                                  / "gpu_table.py")
+    spec = importlib.util.spec_from_file_location(
+        "gpu_table", Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_table.py"
+    )
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -63,8 +82,25 @@ def test_bench_refuses_a_bad_microbatch(capsys):
 def test_cpu_peers_run_here_and_name_their_device(capsys):
     """Without CUDA, the PyTorch and Opacus rows (bf16 autocast included) run in this process, in
     the round robin, each row naming its device; an Opacus mode that cannot run says why."""
-    assert main(["bench", "--batch", "2", "--microbatch", "1", "--steps", "1", "--no-memory", "--no-vmap", "--json",
-                 "--layer-mode", "ghost"]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                "--batch",
+                "2",
+                "--microbatch",
+                "1",
+                "--steps",
+                "1",
+                "--no-memory",
+                "--no-vmap",
+                "--json",
+                "--layer-mode",
+                "ghost",
+            ]
+        )
+        == 0
+    )
     result = json.loads(capsys.readouterr().out)
     rows, devices = result["examples_per_s"], result["device_by_row"]
     assert result["peer_device"] == "cpu" and result["torch_reference"] == TORCH_ROW
@@ -86,8 +122,15 @@ def test_peer_rows_in_their_own_processes():
 
 
 GPU_SH = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu.sh"
-GPU_STEPS = {"bench-base-float32-64", "bench-base-bfloat16-64", "bench-base-float32-256", "bench-base-bfloat16-256",
-             "bench-large-bfloat16-256", "pretrain-dp", "pretrain-nonprivate"}
+GPU_STEPS = {
+    "bench-base-float32-64",
+    "bench-base-bfloat16-64",
+    "bench-base-float32-256",
+    "bench-base-bfloat16-256",
+    "bench-large-bfloat16-256",
+    "pretrain-dp",
+    "pretrain-nonprivate",
+}
 
 
 def test_gpu_script_parses_and_every_step_is_valid():
@@ -95,8 +138,9 @@ def test_gpu_script_parses_and_every_step_is_valid():
     kill grace); every dpbert command line it runs parses, with a recipe and overrides the
     pretraining accepts and a privacy plan within the recipe's target epsilon."""
     subprocess.run(["bash", "-n", str(GPU_SH)], check=True)
-    lines = subprocess.run(["bash", str(GPU_SH), "--dry-run"], check=True, capture_output=True,
-                           text=True).stdout.splitlines()
+    lines = subprocess.run(
+        ["bash", str(GPU_SH), "--dry-run"], check=True, capture_output=True, text=True
+    ).stdout.splitlines()
     budget = int(lines[0].removeprefix("budget "))
     assert budget + 5 <= 8 * 60
     steps = {}
@@ -121,19 +165,39 @@ def test_gpu_script_parses_and_every_step_is_valid():
 def test_gpu_table_ratios_borrowed_peers_and_pretraining(tmp_path):
     def bench(dtype: str, peers: bool) -> dict:
         rows = {"dpbert non-private (one pass)": 3200.0, "dpbert DP (ghost)": 2880.0}
-        rows |= {TORCH_ROW: 2000.0, TORCH_BF16_ROW: 2800.0, "opacus DP (hooks)": 600.0,
-                 "opacus DP (ghost)": "failed: ValueError: Parameter tying is not supported"} if peers else {}
-        return {"dtype": dtype, "examples_per_s": rows, "device_by_row": dict.fromkeys(rows, "gpu:H200"),
-                "compile_seconds": {"dpbert DP (ghost)": 12.5, "dpbert non-private (one pass)": 4.0},
-                "best_dp": "dpbert DP (ghost)", "best_nonprivate": "dpbert non-private (one pass)",
-                "dp_over_nonprivate": 0.9}
+        rows |= (
+            {
+                TORCH_ROW: 2000.0,
+                TORCH_BF16_ROW: 2800.0,
+                "opacus DP (hooks)": 600.0,
+                "opacus DP (ghost)": "failed: ValueError: Parameter tying is not supported",
+            }
+            if peers
+            else {}
+        )
+        return {
+            "dtype": dtype,
+            "examples_per_s": rows,
+            "device_by_row": dict.fromkeys(rows, "gpu:H200"),
+            "compile_seconds": {"dpbert DP (ghost)": 12.5, "dpbert non-private (one pass)": 4.0},
+            "best_dp": "dpbert DP (ghost)",
+            "best_nonprivate": "dpbert non-private (one pass)",
+            "dp_over_nonprivate": 0.9,
+        }
 
     (tmp_path / "bench-base-bfloat16-256.out").write_text("log line\n" + json.dumps(bench("bfloat16", True)))
     (tmp_path / "bench-base-float32-256.out").write_text(json.dumps(bench("float32", False)))
     for name, rate, accuracy in (("dp", 90000.0, 0.12), ("nonprivate", 100000.0, 0.15)):
-        records = [{"kind": "train", "step": s, "step_time_s": 20.0 if s == 1 else 0.05,
-                    "examples_per_s": 1.0 if s <= 5 else rate, "epsilon": 8.0 if name == "dp" else None}
-                   for s in range(1, 301)] + [{"kind": "eval", "step": 300, "eval_mlm_accuracy": accuracy}]
+        records = [
+            {
+                "kind": "train",
+                "step": s,
+                "step_time_s": 20.0 if s == 1 else 0.05,
+                "examples_per_s": 1.0 if s <= 5 else rate,
+                "epsilon": 8.0 if name == "dp" else None,
+            }
+            for s in range(1, 301)
+        ] + [{"kind": "eval", "step": 300, "eval_mlm_accuracy": accuracy}]
         (tmp_path / f"pretrain-{name}.metrics.jsonl").write_text("\n".join(map(json.dumps, records)))
     (tmp_path / "notes.txt").write_text("bench-base-float32-64: skipped, out of time\n")
     text = _gpu_table().table(tmp_path)

@@ -8,9 +8,7 @@ from dpbert import cli
 
 
 def test_version_and_help_run_as_installed_script():
-    out = subprocess.run(
-        [sys.executable, "-m", "dpbert.cli", "--version"], capture_output=True, text=True, check=True
-    )
+    out = subprocess.run([sys.executable, "-m", "dpbert.cli", "--version"], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == f"dpbert {dpbert.__version__}"
 
 

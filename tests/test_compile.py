@@ -12,8 +12,13 @@ from dpbert.train.pretrain import device_batch_size, ledger_physical_batch_sizes
 from dpbert.train.recipe import load_recipe_dict
 
 RECIPE = {
-    "model": {"vocab_size": 128, "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2,
-              "intermediate_size": 64},
+    "model": {
+        "vocab_size": 128,
+        "hidden_size": 32,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 2,
+        "intermediate_size": 64,
+    },
     "data": {"seq_len": 16},
     "schedule": [{"steps": 10, "expected_batch_size": 40}, {"steps": 10, "expected_batch_size": 80}],
     "privacy": {"enabled": True, "clip_norm": 1.0, "delta": 1.0e-6, "noise_multiplier": 1.0, "target_epsilon": 50.0},
@@ -67,8 +72,9 @@ def test_flops_count_every_encoder_layer(reports):
 def test_bench_reports_compile_seconds_for_every_row():
     from dpbert.bench import NOISE_ROW, bert_config, format_table, run_bench
 
-    result = run_bench(model="tiny", batch=4, microbatch=2, steps=1, peers=False, memory=False, vmap=False,
-                       layer_mode="ghost")
+    result = run_bench(
+        model="tiny", batch=4, microbatch=2, steps=1, peers=False, memory=False, vmap=False, layer_mode="ghost"
+    )
     seconds = result["compile_seconds"]
     assert set(seconds) == set(result["examples_per_s"]) | {NOISE_ROW}
     for name, value in result["examples_per_s"].items():
@@ -76,4 +82,8 @@ def test_bench_reports_compile_seconds_for_every_row():
     assert seconds[NOISE_ROW] > 0 and "compile s" in format_table(result)
     large = bert_config("large")
     assert (large.num_hidden_layers, large.hidden_size, large.num_attention_heads, large.vocab_size) == (
-        24, 1024, 16, 30522)
+        24,
+        1024,
+        16,
+        30522,
+    )

@@ -75,20 +75,33 @@ def _sampled_ledgers(count: int, seed: int = 0) -> list[PrivacyLedger]:
         stages = []
         for _ in range(int(rng.integers(1, 5))):
             q = 10 ** rng.uniform(-4, -0.5)
-            stages.append(Stage(steps=int(rng.integers(1, 3000)), expected_batch_size=max(1, int(q * n)),
-                                noise_multiplier=float(rng.uniform(0.6, 6.0))))
+            stages.append(
+                Stage(
+                    steps=int(rng.integers(1, 3000)),
+                    expected_batch_size=max(1, int(q * n)),
+                    noise_multiplier=float(rng.uniform(0.6, 6.0)),
+                )
+            )
         delta = float(10 ** rng.uniform(-10, -5)) / max(1.0, n / 1e5)
-        ledger = PrivacyLedger.for_schedule(BatchSchedule(stages=tuple(stages)), dataset_size=n, delta=delta,
-                                            clip_norm=1.0, accountant=("pld", "rdp")[len(out) % 2])
+        ledger = PrivacyLedger.for_schedule(
+            BatchSchedule(stages=tuple(stages)),
+            dataset_size=n,
+            delta=delta,
+            clip_norm=1.0,
+            accountant=("pld", "rdp")[len(out) % 2],
+        )
         if 0.05 < ledger.epsilon() < 50:  # a regime where a guarantee means something
             out.append(ledger)
     return out
 
 
 def test_sampled_ledgers():
-    gaps = [_compare(ledger, f"sampled ledger {i} ({ledger.accountant}, {len(ledger.stages)} stages, "
-                             f"N={ledger.dataset_size})")
-            for i, ledger in enumerate(_sampled_ledgers(12))]
+    gaps = [
+        _compare(
+            ledger, f"sampled ledger {i} ({ledger.accountant}, {len(ledger.stages)} stages, N={ledger.dataset_size})"
+        )
+        for i, ledger in enumerate(_sampled_ledgers(12))
+    ]
     print(f"max relative difference over {len(gaps)} sampled ledgers: {max(gaps):.3g}")
 
 
@@ -102,8 +115,9 @@ def _scores(m: int, shift: float, seed: int, ties: bool = False) -> tuple[np.nda
     return (np.round(scores, 1) if ties else scores), included
 
 
-@pytest.mark.parametrize("m, shift, ties", [(50, 0.0, False), (2000, 0.5, False), (2000, 2.0, True),
-                                            (10000, 4.0, False)])
+@pytest.mark.parametrize(
+    "m, shift, ties", [(50, 0.0, False), (2000, 0.5, False), (2000, 2.0, True), (10000, 4.0, False)]
+)
 def test_audit_roc_figures_match_the_canary_auditor(m, shift, ties):
     scores, included = _scores(m, shift, seed=m, ties=ties)
     theirs = jax_privacy_audit_figures(scores, included, delta=1e-5, fprs=(0.0, 0.001, 0.01, 0.1, 1.0))
@@ -124,11 +138,12 @@ def test_one_run_bound_at_a_fixed_guess_count_matches(guesses, correct):
     scores = np.arange(m, 0, -1, dtype=np.float64)  # distinct: the top `guesses` are the first ones
     included = np.zeros(m, bool)
     included[:correct] = True
-    included[guesses:guesses + (m // 2 - correct)] = True
+    included[guesses : guesses + (m // 2 - correct)] = True
     auditor = CanaryScoreAuditor(scores[included], scores[~included])
     theirs = auditor.epsilon_one_run(0.05, 1e-5, threshold_strategy=Explicit(scores[guesses - 1]))
-    ours = audit.epsilon_lower_bound(num_canaries=m, num_guesses=guesses, num_correct=correct, delta=1e-5,
-                                     significance=0.05)
+    ours = audit.epsilon_lower_bound(
+        num_canaries=m, num_guesses=guesses, num_correct=correct, delta=1e-5, significance=0.05
+    )
     assert ours > 0 and ours == pytest.approx(theirs, abs=1e-5)
 
 
@@ -160,17 +175,25 @@ USER_LEVEL_RTOL = 0.01
 def _document_ledger(stages, n, delta=1e-6, cap=16):
     return PrivacyLedger.for_schedule(
         BatchSchedule(stages=tuple(Stage(steps=t, expected_batch_size=b, noise_multiplier=s) for t, b, s in stages)),
-        dataset_size=n, delta=delta, clip_norm=1.0, accountant="pld", privacy_unit="one document",
+        dataset_size=n,
+        delta=delta,
+        clip_norm=1.0,
+        accountant="pld",
+        privacy_unit="one document",
         max_sequences_per_document=cap,
     )
 
 
-@pytest.mark.parametrize("stages, n", [
-    ([(256, 64, 3.097)], 240),  # recipes/tiny_document.yaml's plan (RDP-calibrated sigma), N = 240 speeches
-    ([(64, 120, 2.9)], 240),  # fewer, larger steps: q = 0.5
-    ([(100, 50, 1.2), (100, 200, 2.0)], 10_000),  # a two-stage schedule over 10k documents
-    ([(1000, 1024, 0.9)], 1_000_000),  # many small documents, small q
-], ids=["tiny_document", "q0.5", "two-stages", "1M-documents"])
+@pytest.mark.parametrize(
+    "stages, n",
+    [
+        ([(256, 64, 3.097)], 240),  # recipes/tiny_document.yaml's plan (RDP-calibrated sigma), N = 240 speeches
+        ([(64, 120, 2.9)], 240),  # fewer, larger steps: q = 0.5
+        ([(100, 50, 1.2), (100, 200, 2.0)], 10_000),  # a two-stage schedule over 10k documents
+        ([(1000, 1024, 0.9)], 1_000_000),  # many small documents, small q
+    ],
+    ids=["tiny_document", "q0.5", "two-stages", "1M-documents"],
+)
 def test_document_level_epsilon_matches_jax_privacy_user_level_accountant(stages, n):
     from dpbert.privacy.crosscheck import jax_privacy_user_level_epsilon
 
@@ -199,7 +222,10 @@ def test_group_privacy_matches_jax_privacy_examples_per_user(group_size):
 
     ledger = PrivacyLedger.for_schedule(
         BatchSchedule(stages=(Stage(steps=200, expected_batch_size=256, noise_multiplier=1.0),)),
-        dataset_size=50_000, delta=1e-6, clip_norm=1.0, accountant="pld",
+        dataset_size=50_000,
+        delta=1e-6,
+        clip_norm=1.0,
+        accountant="pld",
     )
     ours = group_epsilon(ledger, group_size)
     theirs = jax_privacy_user_level_epsilon(ledger, group_size, discretization=CALIBRATION_PLD_DISCRETIZATION)

@@ -25,7 +25,9 @@ from dpbert.data.tokenizer import load_tokenizer
 # every example), letters and ##-pieces for ordinary text.
 SPECIALS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
 WORDS = [f"w{i}" for i in range(50)]
-VOCAB = SPECIALS + WORDS + list("abcdefghijklmnopqrstuvwxyz.,") + ["##" + c for c in "abcdefghijklmnopqrstuvwxyz0123456789"]
+VOCAB = (
+    SPECIALS + WORDS + list("abcdefghijklmnopqrstuvwxyz.,") + ["##" + c for c in "abcdefghijklmnopqrstuvwxyz0123456789"]
+)
 PAD, UNK, CLS, SEP, MASK = range(5)
 WORD_ID = {w: VOCAB.index(w) for w in WORDS}
 
@@ -33,7 +35,9 @@ WORD_ID = {w: VOCAB.index(w) for w in WORDS}
 def _write_tokenizer(folder: Path, vocab: list[str]) -> Path:
     folder.mkdir(parents=True)
     (folder / "vocab.txt").write_text("\n".join(vocab) + "\n")
-    (folder / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "BertTokenizer", "do_lower_case": True}))
+    (folder / "tokenizer_config.json").write_text(
+        json.dumps({"tokenizer_class": "BertTokenizer", "do_lower_case": True})
+    )
     return folder
 
 
@@ -64,8 +68,9 @@ LENGTHS = [5, 14, 15, 29, 1, 40, 13, 27, 3, 60, 16, 8, 33, 2, 21, 17, 9, 45, 12,
 def word_store(tmp_path_factory: pytest.TempPathFactory, tok_dir: Path) -> Path:
     base = tmp_path_factory.mktemp("words")
     corpus = _word_corpus(base / "corpus", LENGTHS)
-    prepare_store(base / "store", corpus=str(corpus), tokenizer=str(tok_dir), seq_len=16, eval_fraction=0.2,
-                  seed=3, num_proc=1)
+    prepare_store(
+        base / "store", corpus=str(corpus), tokenizer=str(tok_dir), seq_len=16, eval_fraction=0.2, seed=3, num_proc=1
+    )
     return base / "store"
 
 
@@ -150,10 +155,13 @@ def test_store_round_trips_by_random_indices(word_store: Path, tokenizer) -> Non
     assert len(held_out) == 4
     # What the store must hold: every document packed on its own, documents in corpus order.
     expected = {
-        split: np.concatenate([
-            pack_document([WORD_ID[f"w{i}"]] * n, seq_len=16, cls_id=CLS, sep_id=SEP, pad_id=PAD)
-            for i, n in enumerate(LENGTHS) if (i in held_out) == (split == "eval")
-        ])
+        split: np.concatenate(
+            [
+                pack_document([WORD_ID[f"w{i}"]] * n, seq_len=16, cls_id=CLS, sep_id=SEP, pad_id=PAD)
+                for i, n in enumerate(LENGTHS)
+                if (i in held_out) == (split == "eval")
+            ]
+        )
         for split in ("train", "eval")
     }
     for split in ("train", "eval"):
@@ -199,12 +207,20 @@ def test_packing_respects_documents_and_eval_is_disjoint(word_store: Path) -> No
 
 def test_prepare_is_deterministic_across_num_proc(tmp_path: Path, tok_dir: Path, word_store: Path) -> None:
     corpus = _word_corpus(tmp_path / "corpus", LENGTHS)
-    prepare_store(tmp_path / "np2", corpus=str(corpus), tokenizer=str(tok_dir), seq_len=16, eval_fraction=0.2,
-                  seed=3, num_proc=2)
+    prepare_store(
+        tmp_path / "np2", corpus=str(corpus), tokenizer=str(tok_dir), seq_len=16, eval_fraction=0.2, seed=3, num_proc=2
+    )
     for name in ("train.bin", "eval.bin"):
         assert (tmp_path / "np2" / name).read_bytes() == (word_store / name).read_bytes()
-    other_seed = prepare_store(tmp_path / "seed4", corpus=str(corpus), tokenizer=str(tok_dir), seq_len=16,
-                               eval_fraction=0.2, seed=4, num_proc=1)
+    other_seed = prepare_store(
+        tmp_path / "seed4",
+        corpus=str(corpus),
+        tokenizer=str(tok_dir),
+        seq_len=16,
+        eval_fraction=0.2,
+        seed=4,
+        num_proc=1,
+    )
     assert (tmp_path / "seed4" / "eval.bin").read_bytes() != (word_store / "eval.bin").read_bytes()
     assert other_seed.splits["eval"].num_documents == 4
 
@@ -236,7 +252,9 @@ def test_store_reused_when_matching_refused_when_not(tmp_path: Path, tok_dir: Pa
 def test_store_opened_with_another_tokenizer_is_refused(word_store: Path, tmp_path: Path) -> None:
     other = load_tokenizer(_write_tokenizer(tmp_path / "other", VOCAB[:-1]))
     expected = read_manifest(word_store).tokenizer_fingerprint
-    with pytest.raises(ValueError, match=rf"{word_store}.*{expected}.*another|{word_store} was made with another") as err:
+    with pytest.raises(
+        ValueError, match=rf"{word_store}.*{expected}.*another|{word_store} was made with another"
+    ) as err:
         TokenStore.open(word_store, tokenizer=other)
     assert expected in str(err.value)
     from dpbert.data.tokenizer import tokenizer_fingerprint
@@ -265,8 +283,9 @@ def test_corrupted_store_files_are_named(word_store: Path, tmp_path: Path) -> No
 
 
 @pytest.mark.parametrize("failure", [OSError(errno.ENOSPC, "No space left on device"), KeyboardInterrupt()])
-def test_interrupted_prepare_leaves_nothing(tmp_path: Path, tok_dir: Path, monkeypatch: pytest.MonkeyPatch,
-                                            failure: BaseException) -> None:
+def test_interrupted_prepare_leaves_nothing(
+    tmp_path: Path, tok_dir: Path, monkeypatch: pytest.MonkeyPatch, failure: BaseException
+) -> None:
     corpus = _word_corpus(tmp_path / "corpus", LENGTHS)
     real_write = store_mod._write_examples
     calls = []
@@ -293,14 +312,27 @@ def test_interrupted_prepare_leaves_nothing(tmp_path: Path, tok_dir: Path, monke
 def test_trained_vocabulary_is_recorded_as_not_covered(tmp_path: Path) -> None:
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("\n\n".join(f"the nation and the union {i} grow strong together" for i in range(12)))
-    manifest = prepare_store(tmp_path / "store", corpus=str(corpus), tokenizer="train", train_vocab_size=60,
-                             seq_len=16, eval_fraction=0.25, num_proc=1)
+    manifest = prepare_store(
+        tmp_path / "store",
+        corpus=str(corpus),
+        tokenizer="train",
+        train_vocab_size=60,
+        seq_len=16,
+        eval_fraction=0.25,
+        num_proc=1,
+    )
     assert manifest.vocab_origin == f"trained on {corpus}"
     assert not manifest.vocab_covered_by_dp_guarantee
     assert manifest.vocab_size <= 60 and manifest.splits["eval"].num_documents == 3
     # Reusing the trained folder for another store keeps the record.
-    again = prepare_store(tmp_path / "store2", corpus=str(corpus), tokenizer=str(tmp_path / "store" / "tokenizer"),
-                          seq_len=16, eval_fraction=0.25, num_proc=1)
+    again = prepare_store(
+        tmp_path / "store2",
+        corpus=str(corpus),
+        tokenizer=str(tmp_path / "store" / "tokenizer"),
+        seq_len=16,
+        eval_fraction=0.25,
+        num_proc=1,
+    )
     assert again.vocab_origin == manifest.vocab_origin and not again.vocab_covered_by_dp_guarantee
 
 
@@ -321,8 +353,23 @@ def test_prepare_validates_its_arguments(tmp_path: Path, tokenizer) -> None:
 def test_cli_prepare(tmp_path: Path, tok_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
     corpus = _word_corpus(tmp_path / "corpus", LENGTHS)
     out = tmp_path / "store"
-    rc = cli.main(["prepare", "--corpus", str(corpus), "--tokenizer", str(tok_dir), "--out", str(out),
-                   "--seq-len", "16", "--eval-fraction", "0.1", "--num-proc", "1"])
+    rc = cli.main(
+        [
+            "prepare",
+            "--corpus",
+            str(corpus),
+            "--tokenizer",
+            str(tok_dir),
+            "--out",
+            str(out),
+            "--seq-len",
+            "16",
+            "--eval-fraction",
+            "0.1",
+            "--num-proc",
+            "1",
+        ]
+    )
     printed = capsys.readouterr().out
     assert rc == 0, printed
     manifest = read_manifest(out)
@@ -333,12 +380,28 @@ def test_cli_prepare(tmp_path: Path, tok_dir: Path, capsys: pytest.CaptureFixtur
     assert f"corpus path {tmp_path / 'missing'} does not exist" in capsys.readouterr().err
 
 
-def test_cli_prepare_names_a_public_subset_as_recipes_do(tmp_path: Path, capsys: pytest.CaptureFixture[str],
-                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+def test_cli_prepare_names_a_public_subset_as_recipes_do(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv("DPBERT_CACHE", str(tmp_path / "cache"))
     corpus = _word_corpus(tmp_path / "corpus", LENGTHS)
-    rc = cli.main(["prepare", "--corpus", str(corpus), "--tokenizer", "bert-base-uncased-8k", "--out",
-                   str(tmp_path / "store"), "--seq-len", "16", "--eval-fraction", "0.1", "--num-proc", "1"])
+    rc = cli.main(
+        [
+            "prepare",
+            "--corpus",
+            str(corpus),
+            "--tokenizer",
+            "bert-base-uncased-8k",
+            "--out",
+            str(tmp_path / "store"),
+            "--seq-len",
+            "16",
+            "--eval-fraction",
+            "0.1",
+            "--num-proc",
+            "1",
+        ]
+    )
     printed = capsys.readouterr().out
     assert rc == 0, printed
     assert read_manifest(tmp_path / "store").vocab_size == 8192 and "vocabulary public" in printed
@@ -394,8 +457,11 @@ def test_masking_statistics() -> None:
 def test_random_replacement_never_draws_a_special_token() -> None:
     # Vocabulary of 8 where 6 ids are special: every replacement must be 5 or 7.
     ids = np.full((4000,), 5, dtype=np.int32)
-    fn = jax.jit(lambda k, x: mask_tokens(k, x, vocab_size=8, mask_token_id=4, special_token_ids=(0, 1, 2, 3, 4, 6),
-                                          mask_prob=1.0))
+    fn = jax.jit(
+        lambda k, x: mask_tokens(
+            k, x, vocab_size=8, mask_token_id=4, special_token_ids=(0, 1, 2, 3, 4, 6), mask_prob=1.0
+        )
+    )
     masked, _, weights = (np.asarray(a) for a in fn(jax.random.key(0), jnp.asarray(ids)))
     assert weights.all()
     assert set(np.unique(masked).tolist()) == {4, 5, 7}
@@ -409,8 +475,11 @@ def test_masking_keys() -> None:
     b = _masked(example_mask_key(run_key, 3, 11), ids[0])
     for x, y in zip(a, b):
         np.testing.assert_array_equal(x, y)  # same key, same mask
-    for other in (example_mask_key(run_key, 4, 11), example_mask_key(run_key, 3, 12),
-                  example_mask_key(jax.random.key(8), 3, 11)):
+    for other in (
+        example_mask_key(run_key, 4, 11),
+        example_mask_key(run_key, 3, 12),
+        example_mask_key(jax.random.key(8), 3, 11),
+    ):
         assert (_masked(other, ids[0])[2] != a[2]).any()  # different step / example / run: different mask
     expected = jax.random.fold_in(jax.random.fold_in(jax.random.fold_in(run_key, DATA_STREAM), 3), 11)
     np.testing.assert_array_equal(jax.random.key_data(example_mask_key(run_key, 3, 11)), jax.random.key_data(expected))

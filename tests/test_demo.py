@@ -85,7 +85,9 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     wordpiece.train_from_iterator(CORPUS, vocab_size=200, min_frequency=1)
     tokenizer_dir = root / "tokenizer"
     BertTokenizerFast(tokenizer_object=wordpiece._tokenizer).save_pretrained(str(tokenizer_dir))
-    dp = Guarantee.from_ledger(scope="pretraining", data="test corpus", ledger=_ledger(), randomness={"source": "os-csprng"})
+    dp = Guarantee.from_ledger(
+        scope="pretraining", data="test corpus", ledger=_ledger(), randomness={"source": "os-csprng"}
+    )
     nonprivate = Guarantee.non_private(scope="pretraining", data="test corpus")
     return {
         "tokenizer": tokenizer_dir,
@@ -137,9 +139,7 @@ def test_client_predictions_match_the_model_run_directly(server, checkpoints):
         {"scope": "pretraining", "epsilon": check.recomputed_epsilon, "delta": DP_DELTA, "accountant": "pld"}
     ]
     assert dp["privacy"]["label"] == f"ε = {check.recomputed_epsilon:.3g}, δ = 1e-05 (pld, verified)"
-    assert dp["privacy"]["vocabulary"] == (
-        "Vocabulary: trained on the test corpus; not covered by the guarantee."
-    )
+    assert dp["privacy"]["vocabulary"] == ("Vocabulary: trained on the test corpus; not covered by the guarantee.")
     assert not nonprivate["privacy"]["private"]
     assert nonprivate["privacy"]["guarantees"][0]["epsilon"] is None
     assert nonprivate["privacy"]["label"] == "non-private (ε = ∞)"

@@ -18,8 +18,9 @@ TINY = Path(__file__).resolve().parents[1] / "recipes" / "tiny.yaml"
 def test_cpu_keeps_the_recipe_as_written():
     recipe = load_recipe(TINY)
     # config=None: on a CPU nothing is built or timed, so no model is needed.
-    settings = device_settings(recipe, None, num_predictions=14, dataset_size=94000, physical_batch_sizes=(1216,),
-                               backend="cpu")
+    settings = device_settings(
+        recipe, None, num_predictions=14, dataset_size=94000, physical_batch_sizes=(1216,), backend="cpu"
+    )
     assert (settings.microbatch_size, settings.dtype, settings.layer_mode) == (32, "float32", "mixed")
     assert settings.schedule_seconds == {} and settings.layer_mode_seconds == {}
     assert settings.apply(recipe.train) is recipe.train
@@ -31,8 +32,9 @@ def test_several_processes_measure_nothing(monkeypatch):
     """Hosts could time different winners and must run one program: bfloat16, recipe's sizes."""
     monkeypatch.setattr(jax, "process_count", lambda: 2)
     recipe = load_recipe(TINY)
-    settings = device_settings(recipe, None, num_predictions=14, dataset_size=94000, physical_batch_sizes=(1216,),
-                               backend="gpu")
+    settings = device_settings(
+        recipe, None, num_predictions=14, dataset_size=94000, physical_batch_sizes=(1216,), backend="gpu"
+    )
     assert (settings.microbatch_size, settings.dtype, settings.layer_mode) == (32, "bfloat16", "mixed")
     assert settings.schedule_seconds == {} and settings.apply(recipe.train).dtype == "bfloat16"
 
@@ -59,10 +61,24 @@ def test_accelerator_settings_are_measured_and_bfloat16():
     """The accelerator path, forced on a CPU with a toy model: bfloat16 compute, the micro-batch
     size with the least expected schedule time, and the fastest layer mode at that size."""
     recipe = load_recipe(TINY, ["data.seq_len=16", "schedule.0.expected_batch_size=8", "train.layer_mode=ghost"])
-    config = BertConfig(vocab_size=64, hidden_size=16, num_hidden_layers=1, num_attention_heads=1,
-                        intermediate_size=32, max_position_embeddings=16)
-    settings = device_settings(recipe, config, num_predictions=4, dataset_size=94000, physical_batch_sizes=(16,),
-                               backend="gpu", candidates=(2, 4, 32), layer_modes=("ghost", "instantiate"))
+    config = BertConfig(
+        vocab_size=64,
+        hidden_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=1,
+        intermediate_size=32,
+        max_position_embeddings=16,
+    )
+    settings = device_settings(
+        recipe,
+        config,
+        num_predictions=4,
+        dataset_size=94000,
+        physical_batch_sizes=(16,),
+        backend="gpu",
+        candidates=(2, 4, 32),
+        layer_modes=("ghost", "instantiate"),
+    )
     # 32 exceeds the 16 compiled rows: not tried.
     assert set(settings.schedule_seconds) == {2, 4}
     assert settings.microbatch_size == min(settings.schedule_seconds, key=settings.schedule_seconds.get)
@@ -70,5 +86,8 @@ def test_accelerator_settings_are_measured_and_bfloat16():
     assert settings.layer_mode == min(settings.layer_mode_seconds, key=settings.layer_mode_seconds.get)
     train = settings.apply(recipe.train)
     assert (train.microbatch_size, train.dtype, train.layer_mode) == (
-        settings.microbatch_size, "bfloat16", settings.layer_mode)
+        settings.microbatch_size,
+        "bfloat16",
+        settings.layer_mode,
+    )
     assert train.seed == recipe.train.seed and "measured on placeholder inputs" in settings.describe()

@@ -35,8 +35,15 @@ def _tree_sum(trees):
 def bert():
     # Dropout 0: a document's forward is then exactly its sequences' forwards, one by one.
     config = BertConfig(
-        vocab_size=V, hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=24,
-        max_position_embeddings=16, type_vocab_size=2, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+        vocab_size=V,
+        hidden_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=24,
+        max_position_embeddings=16,
+        type_vocab_size=2,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
     )
     graphdef, params = functional.split_params(BertForMaskedLM(config, rngs=nnx.Rngs(0)))
     rng = np.random.default_rng(1)
@@ -50,18 +57,24 @@ def bert():
     padding = np.zeros((D, K), bool)
     padding[1, 2] = padding[2, 1:] = True  # documents with 2 and 1 real sequences
     batch = {
-        "input_ids": jnp.asarray(ids, jnp.int32), "attention_mask": jnp.asarray(mask),
+        "input_ids": jnp.asarray(ids, jnp.int32),
+        "attention_mask": jnp.asarray(mask),
         "token_type_ids": jnp.asarray(rng.integers(0, 2, (D, K, L)), jnp.int32),
-        "masked_positions": jnp.asarray(positions, jnp.int32), "labels": jnp.asarray(labels, jnp.int32),
-        "label_weights": jnp.ones((D, K, P), jnp.float32), SEQUENCE_PADDING: jnp.asarray(padding),
+        "masked_positions": jnp.asarray(positions, jnp.int32),
+        "labels": jnp.asarray(labels, jnp.int32),
+        "label_weights": jnp.ones((D, K, P), jnp.float32),
+        SEQUENCE_PADDING: jnp.asarray(padding),
     }
     loss = MLMGhostLoss(graphdef=graphdef)
     grad_one = jax.jit(jax.grad(loss))
     # Each document's gradient: the sum of its real sequences' gradients, each from its own jax.grad.
     per_document = []
     for d in range(D):
-        grads = [grad_one(params, {k: v[d, s] for k, v in batch.items() if k != SEQUENCE_PADDING}, None)
-                 for s in range(K) if not padding[d, s]]
+        grads = [
+            grad_one(params, {k: v[d, s] for k, v in batch.items() if k != SEQUENCE_PADDING}, None)
+            for s in range(K)
+            if not padding[d, s]
+        ]
         per_document.append(_tree_sum(grads))
     return loss, params, batch, per_document
 
@@ -71,12 +84,14 @@ def _clipped_reference(per_document, is_padding, clip_norm):
     for g, pad in zip(per_document, is_padding):
         if not pad:
             scale = min(1.0, clip_norm / float(optax.tree.norm(g)))
-            out = jax.tree_util.tree_map(lambda t, x: t + scale * x, out, g)
+            out = jax.tree_util.tree_map(lambda t, x, s=scale: t + s * x, out, g)
     return out
 
 
 def _max_error(got, want):
-    return max(float(jnp.max(jnp.abs(a - b))) for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)))
+    return max(
+        float(jnp.max(jnp.abs(a - b))) for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want))
+    )
 
 
 @pytest.mark.parametrize("layer_mode", ["ghost", "instantiate"])
@@ -97,8 +112,11 @@ def test_both_clipping_paths_clip_each_document_whole(bert):
     ref = _clipped_reference(per_document, np.asarray(is_padding), clip_norm)
     scale = float(optax.tree.norm(ref))
     for impl in (ghost_clipped_grad_sum, clipped_grad_sum):
-        got, stats = jax.jit(lambda p, b, impl=impl: impl(loss, p, b, is_padding, jax.random.key(0),
-                                                          clip_norm=clip_norm, microbatch_size=2))(params, batch)
+        got, stats = jax.jit(
+            lambda p, b, impl=impl: impl(
+                loss, p, b, is_padding, jax.random.key(0), clip_norm=clip_norm, microbatch_size=2
+            )
+        )(params, batch)
         assert _max_error(got, ref) <= 2e-5 * scale + 1e-6, impl.__name__
         assert float(stats.num_examples) == 3
 
@@ -124,8 +142,9 @@ def test_adversarial_documents_are_clipped_as_a_whole():
     key = jax.random.key(0)
 
     def clipped(is_padding):
-        total, _ = clipped_grad_sum(loss, params, batch, jnp.asarray(is_padding), key, clip_norm=clip,
-                                    microbatch_size=1)
+        total, _ = clipped_grad_sum(
+            loss, params, batch, jnp.asarray(is_padding), key, clip_norm=clip, microbatch_size=1
+        )
         return np.asarray(total["theta"], np.float64)
 
     with_all = clipped([False, False, False])
@@ -182,7 +201,11 @@ def test_document_sampling_rate_is_what_the_accountant_is_told():
     n, b, steps = 20, 4, 4000
     ledger = PrivacyLedger.for_schedule(
         BatchSchedule(stages=(Stage(steps=steps, expected_batch_size=b, noise_multiplier=1.0),)),
-        dataset_size=n, delta=1e-5, clip_norm=1.0, accountant="rdp", privacy_unit="one document",
+        dataset_size=n,
+        delta=1e-5,
+        clip_norm=1.0,
+        accountant="rdp",
+        privacy_unit="one document",
         max_sequences_per_document=8,
     )
     q = ledger.stages[0].sampling_rate
@@ -201,11 +224,8 @@ def test_document_level_pretraining_replays_exactly_on_resume(tmp_path):
     """The real loop with documents as units: the ledger says so, and a run resumed from its
     step-1 checkpoint ends with the same weights as the uninterrupted run (exact replay of the
     secret document sample and of the sequences chosen within each document)."""
-    import json
-    import shutil
 
     import yaml
-    from safetensors.numpy import load_file
 
     from dpbert.train.pretrain import pretrain
     from tests.tiny_run import seed_file, write_recipe
@@ -302,8 +322,12 @@ def test_document_step_is_the_same_on_any_mesh_and_micro_batch():
     import sys
     from pathlib import Path
 
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu",
-           "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    env = {
+        **os.environ,
+        "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
+        "JAX_PLATFORMS": "cpu",
+        "PYTHONPATH": str(Path(__file__).resolve().parents[1]),
+    }
     proc = subprocess.run([sys.executable, "-c", MESH_SCRIPT], env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -318,11 +342,34 @@ def test_store_records_each_documents_sequences_and_refuses_an_empty_document(tm
 
     corpus = tmp_path / "corpus"
     corpus.mkdir()
-    words = "the president of the united states addresses the congress on the state of the union".split()
+    words = [
+        "the",
+        "president",
+        "of",
+        "the",
+        "united",
+        "states",
+        "addresses",
+        "the",
+        "congress",
+        "on",
+        "the",
+        "state",
+        "of",
+        "the",
+        "union",
+    ]
     for d, n in enumerate([5, 40, 90, 12, 60]):
         (corpus / f"doc{d}.txt").write_text(" ".join(words[i % len(words)] for i in range(n)))
-    manifest = prepare_store(tmp_path / "store", corpus=str(corpus), tokenizer="train", train_vocab_size=60,
-                             seq_len=16, eval_fraction=0.0, num_proc=1)
+    manifest = prepare_store(
+        tmp_path / "store",
+        corpus=str(corpus),
+        tokenizer="train",
+        train_vocab_size=60,
+        seq_len=16,
+        eval_fraction=0.0,
+        num_proc=1,
+    )
     store = TokenStore.open(tmp_path / "store", "train")
     offsets = check_document_offsets(store.document_offsets())
     lengths = np.diff(offsets)

@@ -78,13 +78,14 @@ def test_lora_sweep_release_is_merged_accounted_and_verifies(tiny: Path) -> None
 
     model_dir = out / "model"
     with safe_open(str(model_dir / "model.safetensors"), "np") as f:
-        assert not [k for k in f.keys() if "lora" in k]  # merged into the plain weights
+        assert not [k for k in f.keys() if "lora" in k]  # noqa: SIM118 (safe_open is no dict); merged into the plain weights
     check = verify_folder(model_dir)  # rebuilds the two-run ledger from the recipe it carries
     assert check.ok and check.status == "non-private", check.summary()  # the source has no DP pretraining
 
     pytest.importorskip("torch")
-    assert hf_dev_accuracy(model_dir, tiny / "SST-2") == pytest.approx(result["dev"]["validation"]["accuracy"],
-                                                                      abs=0.011)
+    assert hf_dev_accuracy(model_dir, tiny / "SST-2") == pytest.approx(
+        result["dev"]["validation"]["accuracy"], abs=0.011
+    )
 
 
 def test_trained_subsets_and_their_parameter_counts() -> None:

@@ -23,8 +23,15 @@ V, L, P, B, MB = 61, 12, 4, 6, 3
 @pytest.fixture(scope="module")
 def setup():
     config = BertConfig(
-        vocab_size=V, hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=24,
-        max_position_embeddings=16, type_vocab_size=3, hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1,
+        vocab_size=V,
+        hidden_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=24,
+        max_position_embeddings=16,
+        type_vocab_size=3,
+        hidden_dropout_prob=0.1,
+        attention_probs_dropout_prob=0.1,
     )
     graphdef, params = functional.split_params(BertForMaskedLM(config, rngs=nnx.Rngs(0)))
     rng = np.random.default_rng(0)
@@ -50,7 +57,8 @@ def setup():
     # Reference: each example's gradient on its own (no vmap), with its key fold_in(key, i).
     grad_one = jax.jit(jax.grad(loss))
     per_example = [
-        grad_one(params, jax.tree_util.tree_map(lambda x: x[i], batch), jax.random.fold_in(key, i)) for i in range(B)
+        grad_one(params, jax.tree_util.tree_map(lambda x, i=i: x[i], batch), jax.random.fold_in(key, i))
+        for i in range(B)
     ]
     return loss, params, batch, is_padding, key, per_example
 
@@ -60,8 +68,8 @@ def _reference(per_example, is_padding, clip_norm):
     for g, pad in zip(per_example, np.asarray(is_padding)):
         if pad:
             continue
-        norm = optax.tree.norm(g)
-        total = jax.tree_util.tree_map(lambda t, x: t + x * min(1.0, clip_norm / float(norm)), total, g)
+        scale = min(1.0, clip_norm / float(optax.tree.norm(g)))
+        total = jax.tree_util.tree_map(lambda t, x, s=scale: t + x * s, total, g)
     return total
 
 
@@ -138,8 +146,14 @@ def test_clipping_method_changes_neither_noise_nor_update(setup):
     # "auto" only picks one of these two (timed on placeholder inputs), so two paths cover it.
     for method in ("vmap", "ghost"):
         step = make_dp_train_step(
-            loss, optax.sgd(1.0), clip_norm=0.5, noise_multiplier=1.3, expected_batch_size=6,
-            microbatch_size=MB, donate=False, clipping_method=method,
+            loss,
+            optax.sgd(1.0),
+            clip_norm=0.5,
+            noise_multiplier=1.3,
+            expected_batch_size=6,
+            microbatch_size=MB,
+            donate=False,
+            clipping_method=method,
         )
         new, _, _ = step(params, optax.sgd(1.0).init(params), batch, is_padding, jax.random.key(3))
         results[method] = jax.tree_util.tree_map(lambda a, b: a - b, new, params)
@@ -203,8 +217,10 @@ def test_bfloat16_compute_keeps_float32_sum_and_the_clip_bound(setup):
     bf16_graphdef, _ = functional.split_params(BertForMaskedLM(config, rngs=nnx.Rngs(0), dtype=jnp.bfloat16))
     bf16 = MLMGhostLoss(graphdef=bf16_graphdef)
     clip_norm = float(np.median([float(optax.tree.norm(g)) for g in per_example]))
-    run = jax.jit(lambda lf, p, b, pad: ghost_clipped_grad_sum(lf, p, b, pad, key, clip_norm=clip_norm, microbatch_size=MB),
-                  static_argnums=0)
+    run = jax.jit(
+        lambda lf, p, b, pad: ghost_clipped_grad_sum(lf, p, b, pad, key, clip_norm=clip_norm, microbatch_size=MB),
+        static_argnums=0,
+    )
     want, _ = run(loss, params, batch, is_padding)
     got, _ = run(bf16, params, batch, is_padding)
     assert all(x.dtype == jnp.float32 for x in jax.tree_util.tree_leaves(got))

@@ -207,7 +207,7 @@ def test_csv_jsonl_parquet_with_nyu_column_names(tmp_path: Path) -> None:
     task = glue.get_task("mnli")
     rows = [
         {"premise": "A man sleeps.", "hypothesis": "A man rests.", "label": 0, "idx": 0},
-        {"premise": "A dog, \"barking\".", "hypothesis": "A cat.", "label": "contradiction", "idx": 1},
+        {"premise": 'A dog, "barking".', "hypothesis": "A cat.", "label": "contradiction", "idx": 1},
     ]
     csv_dir, jsonl_dir, pq_dir = tmp_path / "csv", tmp_path / "jsonl", tmp_path / "parquet"
     for d in (csv_dir, jsonl_dir, pq_dir):
@@ -226,7 +226,10 @@ def test_csv_jsonl_parquet_with_nyu_column_names(tmp_path: Path) -> None:
         assert glue.detect_format(task, folder) == fmt
         splits = glue.load_task(task, folder)
         assert set(splits) == {"train", "validation_matched", "validation_mismatched"}
-        assert splits["validation_mismatched"].texts == (("A man sleeps.", 'A dog, "barking".'), ("A man rests.", "A cat."))
+        assert splits["validation_mismatched"].texts == (
+            ("A man sleeps.", 'A dog, "barking".'),
+            ("A man rests.", "A cat."),
+        )
         assert splits["train"].labels.tolist() == [0, 2]
     (jsonl_dir / "train.jsonl").write_text(json.dumps({"premise": "x", "label": 1}) + "\n")
     with pytest.raises(ValueError, match=r"jsonl/train.jsonl: row 1: no column 'hypothesis'"):
@@ -270,7 +273,9 @@ def _synthetic_sst2(folder: Path, n_train: int, n_dev: int, seed: int = 0) -> No
     for name, n in (("train.tsv", n_train), ("dev.tsv", n_dev)):
         lines = ["sentence\tlabel"]
         for label in rng.integers(0, 2, size=n):
-            words = list(rng.choice(pos if label else neg, size=rng.integers(2, 5))) + list(rng.choice(filler, size=rng.integers(0, 3)))
+            words = list(rng.choice(pos if label else neg, size=rng.integers(2, 5))) + list(
+                rng.choice(filler, size=rng.integers(0, 3))
+            )
             rng.shuffle(words)
             lines.append(f"{' '.join(words)}\t{label}")
         (folder / name).write_text("\n".join(lines) + "\n")
@@ -296,11 +301,18 @@ def _tiny_model(folder: Path) -> None:
     tok.train_from_iterator([words] * 10, trainers.WordPieceTrainer(vocab_size=100, special_tokens=special))
     cls_id, sep_id = tok.token_to_id("[CLS]"), tok.token_to_id("[SEP]")
     tok.post_processor = processors.TemplateProcessing(
-        single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1", special_tokens=[("[CLS]", cls_id), ("[SEP]", sep_id)]
+        single="[CLS] $A [SEP]",
+        pair="[CLS] $A [SEP] $B:1 [SEP]:1",
+        special_tokens=[("[CLS]", cls_id), ("[SEP]", sep_id)],
     )
     tok.decoder = decoders.WordPiece()
     tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=tok, unk_token="[UNK]", pad_token="[PAD]", cls_token="[CLS]", sep_token="[SEP]", mask_token="[MASK]"
+        tokenizer_object=tok,
+        unk_token="[UNK]",
+        pad_token="[PAD]",
+        cls_token="[CLS]",
+        sep_token="[SEP]",
+        mask_token="[MASK]",
     )
     config = BertConfig(
         vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
@@ -347,7 +359,9 @@ def nonprivate_run(tiny: Path) -> tuple[Path, dict]:
 
     config = load_config(None, ["max_seq_len=12", "nonprivate.learning_rate=1e-3", "nonprivate.epochs=1"])
     out = tiny / "out_np"
-    result = finetune(task="sst2", model=str(tiny / "model"), output_dir=out, data=tiny / "SST-2", config=config, log=lambda _: None)
+    result = finetune(
+        task="sst2", model=str(tiny / "model"), output_dir=out, data=tiny / "SST-2", config=config, log=lambda _: None
+    )
     return out, result
 
 
@@ -376,7 +390,9 @@ def test_recipe_is_the_default_config_and_overrides_name_fields() -> None:
     assert config.optim.learning_rate == 1e-3 and config.optim.trainable == "bias" and config.privacy.epsilon == 3.0
     with pytest.raises(ValueError, match=r"'private.lr': unknown field.* \(in .*glue_finetune.yaml\)"):
         load_config(recipe, ["private.lr=1"])
-    with pytest.raises(ValueError, match=r"'nonprivate.trainable': expected 'all', 'bias', 'lora' or 'head', got 'adapters'"):
+    with pytest.raises(
+        ValueError, match=r"'nonprivate.trainable': expected 'all', 'bias', 'lora' or 'head', got 'adapters'"
+    ):
         load_config(None, ["nonprivate.trainable=adapters"])
 
 
@@ -384,11 +400,16 @@ def test_nonprivate_finetune_learns_and_writes_outputs(nonprivate_run: tuple[Pat
     out, result = nonprivate_run
     assert result["dev"]["validation"]["accuracy"] > 0.75  # chance is 0.5
     assert result["n_train"] == 800 and result["steps"] == 25  # ceil(800 / 32)
-    assert result["trained"]["subset"] == "all" and result["trained"]["parameters"] == result["trained"]["total_parameters"]
+    assert (
+        result["trained"]["subset"] == "all"
+        and result["trained"]["parameters"] == result["trained"]["total_parameters"]
+    )
     assert result["privacy"] is None
     assert json.loads((out / "metrics.json").read_text()) == result
     evals = [json.loads(line) for line in (out / "evals.jsonl").read_text().splitlines()]
-    assert [e["split"] for e in evals] == ["validation"] and evals[-1]["accuracy"] == result["dev"]["validation"]["accuracy"]
+    assert [e["split"] for e in evals] == ["validation"] and evals[-1]["accuracy"] == result["dev"]["validation"][
+        "accuracy"
+    ]
     saved = json.loads((out / "model" / "config.json").read_text())
     assert saved["id2label"] == {"0": "negative", "1": "positive"}
     assert (out / "model" / "model.safetensors").is_file() and (out / "model" / "tokenizer.json").is_file()
@@ -435,7 +456,9 @@ def test_dp_finetune_from_the_cli_learns_and_spends_the_asked_epsilon(dp_run: tu
     assert "noise_multiplier=" in printed and "1/n^1.1" in printed and "sst2" in printed.splitlines()[-1]
 
 
-def test_dp_release_states_both_guarantees_each_for_its_own_data(dp_run: tuple[Path, str], tiny: Path, tmp_path: Path) -> None:
+def test_dp_release_states_both_guarantees_each_for_its_own_data(
+    dp_run: tuple[Path, str], tiny: Path, tmp_path: Path
+) -> None:
     import shutil
 
     from dpbert import cli
@@ -450,11 +473,22 @@ def test_dp_release_states_both_guarantees_each_for_its_own_data(dp_run: tuple[P
     privacy = json.loads((model_dir / "privacy.json").read_text())
     pretraining, task = privacy["guarantees"]
     assert privacy["private"] is True
-    assert (pretraining["scope"], pretraining["data"], pretraining["ledger"]) == ("pretraining", "synthetic corpus", source["ledger"])
-    assert pretraining["epsilon"] == source["epsilon"] and pretraining["ledger"]["dataset_size"] == _PRETRAINING["dataset_size"]
+    assert (pretraining["scope"], pretraining["data"], pretraining["ledger"]) == (
+        "pretraining",
+        "synthetic corpus",
+        source["ledger"],
+    )
+    assert (
+        pretraining["epsilon"] == source["epsilon"]
+        and pretraining["ledger"]["dataset_size"] == _PRETRAINING["dataset_size"]
+    )
     assert (task["scope"], task["data"]) == ("fine-tuning (sst2)", "GLUE SST-2 training set (800 examples)")
     assert task["ledger"] == task_ledger and task["epsilon"] == pytest.approx(result["privacy"]["epsilon"], rel=1e-9)
-    assert privacy["vocabulary"] == {"origin": "public word list", "covered": True, "learned_from_private_data": None}  # inherited from the source
+    assert privacy["vocabulary"] == {
+        "origin": "public word list",
+        "covered": True,
+        "learned_from_private_data": None,
+    }  # inherited from the source
 
     check = verify_folder(model_dir)  # each epsilon recomputed from its own ledger
     assert check.ok and check.status == "private", check.summary()
@@ -489,5 +523,6 @@ def test_dp_release_states_both_guarantees_each_for_its_own_data(dp_run: tuple[P
 
     config = AutoConfig.from_pretrained(str(model_dir))
     assert config.num_labels == 2 and config.id2label == {0: "negative", 1: "positive"}
-    assert hf_dev_accuracy(model_dir, tiny / "SST-2") == pytest.approx(result["dev"]["validation"]["accuracy"],
-                                                                      abs=0.011)
+    assert hf_dev_accuracy(model_dir, tiny / "SST-2") == pytest.approx(
+        result["dev"]["validation"]["accuracy"], abs=0.011
+    )

@@ -79,9 +79,11 @@ def test_hand_computed_values():
     preds, refs = [1, 0, 1, 1], [1, 0, 0, 1]
     # TP=2 TN=1 FP=1 FN=0: accuracy 3/4, F1 = 2PR/(P+R) with P=2/3, R=1 -> 0.8, MCC = 2/sqrt(12).
     assert load_glue_metric("mrpc").compute(predictions=preds, references=refs) == pytest.approx(
-        {"accuracy": 0.75, "f1": 0.8})
+        {"accuracy": 0.75, "f1": 0.8}
+    )
     assert load_glue_metric("cola").compute(predictions=preds, references=refs) == pytest.approx(
-        {"matthews_correlation": 2 / np.sqrt(12)})
+        {"matthews_correlation": 2 / np.sqrt(12)}
+    )
     got = load_glue_metric("stsb").compute(predictions=[1.0, 2.0, 3.0, 4.0], references=[2.0, 1.0, 4.0, 3.0])
     assert got["spearmanr"] == pytest.approx(0.6)  # 1 - 6 * 4 / (4 * 15)
 

@@ -59,8 +59,22 @@ def test_pip_install_alone_is_enough(tmp_path):
     wheel = build_wheel(tmp_path)
     listed = zipfile.ZipFile(wheel).namelist()
     assert {"dpbert/data/bert-base-uncased/vocab.txt", "dpbert/data/bert-base-uncased/NOTICE"} <= set(listed)
-    _run([str(python), "-m", "pip", "install", "--no-deps", "--no-index", "--disable-pip-version-check", "-q",
-          "--target", target, wheel], tmp_path)
+    _run(
+        [
+            str(python),
+            "-m",
+            "pip",
+            "install",
+            "--no-deps",
+            "--no-index",
+            "--disable-pip-version-check",
+            "-q",
+            "--target",
+            target,
+            wheel,
+        ],
+        tmp_path,
+    )
 
     run_env = {**os.environ, "DPBERT_CACHE": str(tmp_path / "cache"), "HF_HUB_OFFLINE": "1", "PYTHONNOUSERSITE": "1"}
     run_env.pop("PYTHONPATH", None)
@@ -77,15 +91,32 @@ def test_pip_install_alone_is_enough(tmp_path):
     corpus = tmp_path / "corpus.txt"
     documents = (f"Document {i}: the noise multiplier sets epsilon." for i in range(8))
     corpus.write_text("\n\n".join(documents), encoding="utf-8")
-    dpbert = [target / "bin" / "dpbert", "prepare", "--corpus", str(corpus), "--tokenizer", "public",
-              "--seq-len", "16", "--eval-fraction", "0", "--num-proc", "1"]
+    dpbert = [
+        target / "bin" / "dpbert",
+        "prepare",
+        "--corpus",
+        str(corpus),
+        "--tokenizer",
+        "public",
+        "--seq-len",
+        "16",
+        "--eval-fraction",
+        "0",
+        "--num-proc",
+        "1",
+    ]
     done = _run([*dpbert, "--out", tmp_path / "store"], tmp_path, env=run_env)
     assert "bert-base-uncased (packaged public vocabulary), vocab 30522" in done.stdout
 
     vocab_file = installed.parent / "data" / "bert-base-uncased" / "vocab.txt"
     vocab_file.unlink()
-    failed = subprocess.run([str(part) for part in [*dpbert, "--out", tmp_path / "store2"]], cwd=tmp_path,
-                            env=run_env, capture_output=True, text=True)
+    failed = subprocess.run(
+        [str(part) for part in [*dpbert, "--out", tmp_path / "store2"]],
+        cwd=tmp_path,
+        env=run_env,
+        capture_output=True,
+        text=True,
+    )
     assert failed.returncode == 1
     assert failed.stderr.strip().splitlines() == [
         f"dpbert prepare: error: {vocab_file} is missing (dpbert was installed without its package data): "

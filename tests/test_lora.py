@@ -26,7 +26,9 @@ def _config() -> BertConfig:
     )  # fmt: skip
 
 
-def _lora_model(targets: tuple[str, ...] = ("query", "value", "intermediate"), rank: int = 4) -> BertForSequenceClassification:
+def _lora_model(
+    targets: tuple[str, ...] = ("query", "value", "intermediate"), rank: int = 4
+) -> BertForSequenceClassification:
     """A random classifier with LoRA whose B factors are non-zero (at init B = 0 and LoRA is a no-op)."""
     model = BertForSequenceClassification(_config(), rngs=nnx.Rngs(0), num_labels=2)
     add_lora(model, LoRAConfig(rank=rank, alpha=8.0, targets=targets), nnx.Rngs(1))
@@ -128,7 +130,8 @@ def test_exact_per_example_clipping_covers_lora_factors() -> None:
         g = grad(trainable, {k: v[i] for k, v in batch.items()}, None)
         norm = float(jnp.sqrt(sum(jnp.sum(x**2) for x in jax.tree_util.tree_leaves(g))))
         norms.append(norm)
-        expected = jax.tree_util.tree_map(lambda e, x, s=min(1.0, clip / norm): e + s * x, expected, g)
+        scale = min(1.0, clip / norm)
+        expected = jax.tree_util.tree_map(lambda e, x, s=scale: e + s * x, expected, g)
     assert min(norms) > clip
     lora_grad = [x for path, x in nnx.to_flat_state(expected) if is_lora_path(path)]
     assert all(float(jnp.max(jnp.abs(x.get_value() if hasattr(x, "get_value") else x))) > 0 for x in lora_grad)

@@ -23,19 +23,35 @@ SPECIALS = (0, 1, 2, 3, 4)  # [PAD] [UNK] [CLS] [SEP] [MASK]
 
 @pytest.fixture(scope="module")
 def setup():
-    config = BertConfig(vocab_size=VOCAB, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
-                        intermediate_size=32, max_position_embeddings=SEQ, hidden_dropout_prob=0.1,
-                        attention_probs_dropout_prob=0.1)
+    config = BertConfig(
+        vocab_size=VOCAB,
+        hidden_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=32,
+        max_position_embeddings=SEQ,
+        hidden_dropout_prob=0.1,
+        attention_probs_dropout_prob=0.1,
+    )
     graphdef, params = functional.split_params(BertForMaskedLM(config, rngs=nnx.Rngs(0)))
-    masker = make_masker(vocab_size=VOCAB, mask_token_id=4, special_token_ids=SPECIALS, pad_id=0, mask_prob=0.15,
-                         num_predictions=max_predictions(SEQ, 0.15))
+    masker = make_masker(
+        vocab_size=VOCAB,
+        mask_token_id=4,
+        special_token_ids=SPECIALS,
+        pad_id=0,
+        mask_prob=0.15,
+        num_predictions=max_predictions(SEQ, 0.15),
+    )
     rng = np.random.default_rng(0)
     ids = rng.integers(5, VOCAB, (6, SEQ)).astype(np.int32)
     ids[:, 0], ids[:, -1] = 2, 3
     ids[1, 15:] = 0  # a padded example
     ids[1, 14] = 3
-    batch = {"input_ids": jnp.asarray(ids), "index": jnp.arange(6, dtype=jnp.int32),
-             "step": jnp.full((6,), 3, jnp.int32)}
+    batch = {
+        "input_ids": jnp.asarray(ids),
+        "index": jnp.arange(6, dtype=jnp.int32),
+        "step": jnp.full((6,), 3, jnp.int32),
+    }
     return graphdef, params, masker, batch
 
 
@@ -46,9 +62,14 @@ def full_head_loss(graphdef, masker, run_key):
         ids = example["input_ids"]
         from dpbert.data.masking import example_mask_key, mask_tokens
 
-        masked, labels, weights = mask_tokens(example_mask_key(run_key, example["step"], example["index"]), ids,
-                                              vocab_size=VOCAB, mask_token_id=4, special_token_ids=SPECIALS,
-                                              mask_prob=0.15)
+        masked, labels, weights = mask_tokens(
+            example_mask_key(run_key, example["step"], example["index"]),
+            ids,
+            vocab_size=VOCAB,
+            mask_token_id=4,
+            special_token_ids=SPECIALS,
+            mask_prob=0.15,
+        )
         logits = functional.mlm_logits(graphdef, params, masked, (ids != 0).astype(jnp.int32), None, rng)
         assert logits.shape == (SEQ, VOCAB)
         ce = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), labels)

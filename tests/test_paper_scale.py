@@ -21,8 +21,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def run_python(code: str, devices: int, *args: str, timeout: int = 600) -> subprocess.CompletedProcess:
     env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}", "JAX_PLATFORMS": "cpu"}
-    return subprocess.run([sys.executable, "-c", code, *args], env=env, cwd=ROOT, capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-c", code, *args], env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout
+    )
 
 
 # A tiny model's DP step (AdamW, dropout keyed per example) on a mesh given as argv: data fsdp.
@@ -149,8 +150,17 @@ def free_port() -> int:
 def test_two_processes_through_jax_distributed_match_one(tmp_path):
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu"}
     port, out = free_port(), tmp_path / "multi.json"
-    procs = [subprocess.Popen([sys.executable, "-c", MULTI, str(i), str(port), str(out)], env=env, cwd=ROOT,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", MULTI, str(i), str(port), str(out)],
+            env=env,
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for i in range(2)
+    ]
     errs = [p.communicate(timeout=300)[1] for p in procs]
     assert all(p.returncode == 0 for p in procs), "\n".join(e[-2000:] for e in errs)
     single = run_python(MULTI, 4, "single", str(tmp_path / "single.json"))
@@ -177,17 +187,38 @@ def test_compile_only_bert_large_dp_on_8_fake_devices():
     24 so that XLA's CPU compile stays short (the 24-layer numbers are in the issue report)."""
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
     proc = subprocess.run(
-        [sys.executable, "-m", "dpbert.cli", "pretrain", "recipes/bert_large_dp.yaml", "--compile-only",
-         "--mesh", "data=8", "--set", "model.num_hidden_layers=1", "--json"],
-        env=env, cwd=ROOT, capture_output=True, text=True, timeout=1200,
+        [
+            sys.executable,
+            "-m",
+            "dpbert.cli",
+            "pretrain",
+            "recipes/bert_large_dp.yaml",
+            "--compile-only",
+            "--mesh",
+            "data=8",
+            "--set",
+            "model.num_hidden_layers=1",
+            "--json",
+        ],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=1200,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     r = json.loads(proc.stdout.strip().splitlines()[-1])
     import torch  # noqa: F401  (transformers' PyTorch BERT counts the parameters independently)
     from transformers import BertConfig, BertForMaskedLM
 
-    config = BertConfig(vocab_size=30522, hidden_size=1024, num_hidden_layers=1, num_attention_heads=16,
-                        intermediate_size=4096, max_position_embeddings=512)
+    config = BertConfig(
+        vocab_size=30522,
+        hidden_size=1024,
+        num_hidden_layers=1,
+        num_attention_heads=16,
+        intermediate_size=4096,
+        max_position_embeddings=512,
+    )
     assert r["num_params"] == sum(p.numel() for p in BertForMaskedLM(config).parameters())
     assert r["mesh_shape"] == {"data": 8, "fsdp": 1} and r["private"] is True
     assert r["physical_batch_size"] >= 2_097_152 and r["physical_batch_size"] % (8 * 4) == 0

@@ -17,15 +17,23 @@ N, EPSILON, DELTA = 45_000, 8.0, 1e-6
 
 
 def test_planner_sigma_equals_the_calibration_training_uses():
-    plan = plan_batch_sizes(dataset_size=N, target_epsilon=EPSILON, delta=DELTA, examples=40_960,
-                            batch_sizes=(256, 2048), accountant="rdp")
+    plan = plan_batch_sizes(
+        dataset_size=N, target_epsilon=EPSILON, delta=DELTA, examples=40_960, batch_sizes=(256, 2048), accountant="rdp"
+    )
     assert [r.expected_batch_size for r in plan.rows] == [256, 2048]
     for row in plan.rows:
-        recipe = load_recipe(RECIPES / "tiny.yaml", [
-            f"schedule=[{{steps: {row.steps}, expected_batch_size: {row.expected_batch_size}}}]",
-            "optimizer.warmup_steps=0", "privacy.noise_multiplier=null", f"privacy.target_epsilon={EPSILON}",
-            f"privacy.delta={DELTA}", "privacy.accountant=rdp", "privacy.calibrate=shared",
-        ])
+        recipe = load_recipe(
+            RECIPES / "tiny.yaml",
+            [
+                f"schedule=[{{steps: {row.steps}, expected_batch_size: {row.expected_batch_size}}}]",
+                "optimizer.warmup_steps=0",
+                "privacy.noise_multiplier=null",
+                f"privacy.target_epsilon={EPSILON}",
+                f"privacy.delta={DELTA}",
+                "privacy.accountant=rdp",
+                "privacy.calibrate=shared",
+            ],
+        )
         trained = make_plan(recipe, N, dataset_size_source="declared")
         assert trained.schedule.stages[0].noise_multiplier == row.noise_multiplier
         assert trained.ledger.epsilon() == pytest.approx(row.epsilon, rel=1e-9)
@@ -39,8 +47,17 @@ def test_planner_sigma_equals_the_calibration_training_uses():
 
 
 def _row(b: int, steps: int, sigma: float) -> PlanRow:
-    return PlanRow(expected_batch_size=b, steps=steps, examples=b * steps, epochs=1.0, sampling_rate=0.01,
-                   noise_multiplier=sigma, epsilon=8.0, noise_over_batch=sigma / b, noise_over_sqrt_batch=sigma / b**0.5)
+    return PlanRow(
+        expected_batch_size=b,
+        steps=steps,
+        examples=b * steps,
+        epochs=1.0,
+        sampling_rate=0.01,
+        noise_multiplier=sigma,
+        epsilon=8.0,
+        noise_over_batch=sigma / b,
+        noise_over_sqrt_batch=sigma / b**0.5,
+    )
 
 
 def test_recommendation_respects_min_steps_and_diminishing_returns():
@@ -62,8 +79,19 @@ def test_plan_needs_exactly_one_budget():
 
 
 def test_plan_cli_prints_a_table_and_json(capsys):
-    args = ["plan", "--dataset-size", str(N), "--target-epsilon", "8", "--delta", "1e-6", "--steps", "40",
-            "--batch-sizes", "512,1024"]
+    args = [
+        "plan",
+        "--dataset-size",
+        str(N),
+        "--target-epsilon",
+        "8",
+        "--delta",
+        "1e-6",
+        "--steps",
+        "40",
+        "--batch-sizes",
+        "512,1024",
+    ]
     assert main(args) == 0
     table = capsys.readouterr().out
     assert "sigma/B" in table and "recommended" in table and "1,024" in table
@@ -71,4 +99,3 @@ def test_plan_cli_prints_a_table_and_json(capsys):
     out = json.loads(capsys.readouterr().out)
     assert out["budget"] == "steps" and [r["steps"] for r in out["rows"]] == [40, 40]
     assert out["recommended"] in (512, 1024)
-

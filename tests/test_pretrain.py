@@ -40,16 +40,34 @@ PHRASES = [
 SLOTS = ["protect", "address", "serve", "defend", "support", "honor"]
 
 RECIPE = {
-    "model": {"hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2, "intermediate_size": 64,
-              "hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0},
+    "model": {
+        "hidden_size": 32,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 2,
+        "intermediate_size": 64,
+        "hidden_dropout_prob": 0.0,
+        "attention_probs_dropout_prob": 0.0,
+    },
     "data": {"tokenizer": "train", "train_vocab_size": 300, "seq_len": 32, "eval_fraction": 0.1, "num_proc": 1},
     # One stage: each stage is its own compiled step, and compiling dominates a test this small.
     "schedule": [{"steps": 6, "expected_batch_size": 24}],
-    "privacy": {"enabled": True, "clip_norm": 1.0, "delta": 1.0e-3, "accountant": "rdp",
-                "noise_multiplier": 1.0, "target_epsilon": 20.0},
+    "privacy": {
+        "enabled": True,
+        "clip_norm": 1.0,
+        "delta": 1.0e-3,
+        "accountant": "rdp",
+        "noise_multiplier": 1.0,
+        "target_epsilon": 20.0,
+    },
     "optimizer": {"learning_rate": 1.0e-2, "warmup_steps": 1},
-    "train": {"microbatch_size": 24, "checkpoint_every": 2, "eval_every": 3, "eval_batches": 2,
-              "eval_batch_size": 16, "log_every": 1},
+    "train": {
+        "microbatch_size": 24,
+        "checkpoint_every": 2,
+        "eval_every": 3,
+        "eval_batches": 2,
+        "eval_batch_size": 16,
+        "log_every": 1,
+    },
     "report": {"fill_mask": ["the president of the [MASK] states the congress ."], "top_k": 3},
 }
 
@@ -105,11 +123,19 @@ def final_params(run_dir: Path) -> dict[str, np.ndarray]:
 
 
 def run_cli(workspace, *args: str) -> subprocess.Popen:
-    env = {**os.environ, "JAX_COMPILATION_CACHE_DIR": str(workspace["cache"]),
-           "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0", "JAX_PLATFORMS": "cpu"}
-    return subprocess.Popen([sys.executable, "-m", "dpbert.cli", "pretrain", *args,
-                             "--noise-seed-file", str(workspace["seed_file"])], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    env = {
+        **os.environ,
+        "JAX_COMPILATION_CACHE_DIR": str(workspace["cache"]),
+        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+        "JAX_PLATFORMS": "cpu",
+    }
+    return subprocess.Popen(
+        [sys.executable, "-m", "dpbert.cli", "pretrain", *args, "--noise-seed-file", str(workspace["seed_file"])],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
 
 
 def wait_for(predicate, proc: subprocess.Popen, timeout: float = 240.0) -> None:
@@ -128,8 +154,9 @@ def reference_run(workspace):
     """An uninterrupted private run (in this process), with the auditor's secret."""
     recipe = write_recipe(workspace, workspace["root"] / "ref.yaml")
     run_dir = workspace["root"] / "ref"
-    result = pretrain(recipe, run_dir, show_fill_mask=True, progress=False, log=lambda s: None,
-                      noise_seed_file=workspace["seed_file"])
+    result = pretrain(
+        recipe, run_dir, show_fill_mask=True, progress=False, log=lambda s: None, noise_seed_file=workspace["seed_file"]
+    )
     return recipe, run_dir, result
 
 
@@ -165,7 +192,7 @@ def test_tiny_private_run_end_to_end(reference_run):
     assert release["private"] is True
     assert release["guarantees"][0]["epsilon"] == pytest.approx(result.epsilon, rel=1e-6)
     assert yaml.safe_load((run_dir / "recipe.yaml").read_text())["model"]["vocab_size"] == config.vocab_size
-    (sentence, preds), = result.fill_mask
+    ((sentence, preds),) = result.fill_mask
     assert len(preds) == 3 and all(0 <= p <= 1 for _, p in preds)
     png = plot_run(run_dir)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -226,16 +253,22 @@ def test_resume_that_would_pass_the_target_epsilon_is_refused(workspace, referen
     assert PrivacyLedger.from_dict(json.loads((ref_dir / "privacy.json").read_text())).total_steps == 6
     # A fresh run with that schedule is refused the same way, before any step.
     with pytest.raises(ValueError, match="privacy budget exceeded"):
-        pretrain(recipe, workspace["root"] / "too_long", overrides=["schedule.0.steps=3000"], progress=False,
-                 log=lambda s: None)
+        pretrain(
+            recipe,
+            workspace["root"] / "too_long",
+            overrides=["schedule.0.steps=3000"],
+            progress=False,
+            log=lambda s: None,
+        )
     assert not (workspace["root"] / "too_long" / "checkpoints").exists()
 
 
 def test_resume_with_a_changed_plan_is_refused(workspace, reference_run):
     recipe, ref_dir, _ = reference_run
     with pytest.raises(ValueError, match="privacy ledger does not match"):
-        pretrain(recipe, ref_dir, resume=True, overrides=["privacy.noise_multiplier=1.5"], progress=False,
-                 log=lambda s: None)
+        pretrain(
+            recipe, ref_dir, resume=True, overrides=["privacy.noise_multiplier=1.5"], progress=False, log=lambda s: None
+        )
     with pytest.raises(ValueError, match="already holds checkpoints"):
         pretrain(recipe, ref_dir, progress=False, log=lambda s: None)
 
@@ -263,7 +296,8 @@ def test_corrupted_or_foreign_checkpoint_is_named(workspace, reference_run, tmp_
 
 def test_nonprivate_run_beats_the_unigram_baseline(workspace):
     recipe = write_recipe(
-        workspace, workspace["root"] / "nonprivate.yaml",
+        workspace,
+        workspace["root"] / "nonprivate.yaml",
         privacy={"enabled": False, "noise_multiplier": None, "target_epsilon": None},
         schedule=[{"steps": 150, "expected_batch_size": 32}],
         train={"checkpoint_every": 150, "eval_every": 0, "eval_batches": 4, "log_every": 50},
@@ -316,7 +350,9 @@ def test_private_runs_draw_a_secret_that_never_leaves_the_checkpoint_folder(work
     differing = [name for name in a if not np.array_equal(a[name], b[name])]
     assert len(differing) == len(a), sorted(set(a) - set(differing))  # every tensor got other noise
     # Every folder holding weights of a DP run carries its ledger.
-    assert json.loads((dirs[0] / "hf" / "privacy.json").read_text()) == json.loads((dirs[0] / "privacy.json").read_text())
+    assert json.loads((dirs[0] / "hf" / "privacy.json").read_text()) == json.loads(
+        (dirs[0] / "privacy.json").read_text()
+    )
     # The auditor's secret reproduces: same file, same recipe -> the reference run's weights.
     assert json.loads((ref_dir / "randomness.json").read_text()) == {"source": "supplied-file"}
 
@@ -328,7 +364,9 @@ def test_resume_needs_its_secret_and_its_corpus(workspace, reference_run, tmp_pa
     run_dir = tmp_path / "lost_secret"
     shutil.copytree(ref_dir, run_dir)
     (run_dir / "checkpoints" / "noise_secret").unlink()
-    with pytest.raises(ValueError, match=r"noise_secret: missing; the checkpoints of this private run cannot be resumed"):
+    with pytest.raises(
+        ValueError, match=r"noise_secret: missing; the checkpoints of this private run cannot be resumed"
+    ):
         pretrain(recipe, run_dir, resume=True, progress=False, log=lambda s: None)
     with pytest.raises(ValueError, match=r"--noise-seed-file .*: differs from the secret this run started with"):
         other = tmp_path / "other.hex"
@@ -342,10 +380,21 @@ def test_resume_needs_its_secret_and_its_corpus(workspace, reference_run, tmp_pa
     corpus = tmp_path / "corpus2"
     corpus.mkdir()
     for d in range(80):
-        (corpus / f"doc{d:03d}.txt").write_text(" ".join([PHRASES[d % 6].format(w=SLOTS[(d + i) % 6]) for i in range(8)]))
+        (corpus / f"doc{d:03d}.txt").write_text(
+            " ".join([PHRASES[d % 6].format(w=SLOTS[(d + i) % 6]) for i in range(8)])
+        )
     moved = tmp_path / "moved"
     shutil.copytree(ref_dir, moved)
     with pytest.raises(ValueError, match="was written with a different data"):
-        pretrain(recipe, moved, resume=True, progress=False, log=lambda s: None,
-                 overrides=[f"data.corpus={corpus}", f"data.store={tmp_path / 'store2'}",
-                            f"data.tokenizer={ref_dir / 'hf'}"])
+        pretrain(
+            recipe,
+            moved,
+            resume=True,
+            progress=False,
+            log=lambda s: None,
+            overrides=[
+                f"data.corpus={corpus}",
+                f"data.store={tmp_path / 'store2'}",
+                f"data.tokenizer={ref_dir / 'hf'}",
+            ],
+        )

@@ -39,10 +39,32 @@ def runs(tmp_path_factory):
     port = free_port()
     procs = [
         subprocess.Popen(
-            [sys.executable, "-m", "dpbert.cli", "pretrain", str(recipe), "--output-dir", str(root / "multi"),
-             "--set", "mesh.data=1", "--set", "mesh.fsdp=4", "--coordinator-address", f"127.0.0.1:{port}",
-             "--num-processes", "2", "--process-id", str(i), "--noise-seed-file", str(seed_file(root))],
-            env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            [
+                sys.executable,
+                "-m",
+                "dpbert.cli",
+                "pretrain",
+                str(recipe),
+                "--output-dir",
+                str(root / "multi"),
+                "--set",
+                "mesh.data=1",
+                "--set",
+                "mesh.fsdp=4",
+                "--coordinator-address",
+                f"127.0.0.1:{port}",
+                "--num-processes",
+                "2",
+                "--process-id",
+                str(i),
+                "--noise-seed-file",
+                str(seed_file(root)),
+            ],
+            env=env,
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
         )
         for i in range(2)
     ]
@@ -62,7 +84,8 @@ def test_two_processes_end_with_the_parameters_of_one(runs):
     for k in ref:
         np.testing.assert_allclose(multi[k], ref[k], rtol=1e-4, atol=2e-6, err_msg=k)
     assert json.loads((root / "multi" / "privacy.json").read_text()) == json.loads(
-        (root / "single" / "privacy.json").read_text())
+        (root / "single" / "privacy.json").read_text()
+    )
     # Orbax wrote the checkpoints collectively (the last two kept), restorable like any other.
     assert sorted(p.name for p in (root / "multi" / "checkpoints").iterdir() if p.name.isdigit()) == ["1", "2"]
 
@@ -77,7 +100,9 @@ def test_only_process_0_writes_and_prints(runs):
     assert [r["step"] for r in records if r["kind"] == "train"] == [1, 2]
     assert [r["step"] for r in records if r["kind"] == "eval"] == [2]
     ref = [r for r in read_metrics(root / "single" / "metrics.jsonl") if r["kind"] == "train"]
-    assert [r["realized_batch_size"] for r in records if r["kind"] == "train"] == [r["realized_batch_size"] for r in ref]
+    assert [r["realized_batch_size"] for r in records if r["kind"] == "train"] == [
+        r["realized_batch_size"] for r in ref
+    ]
     release = json.loads((root / "multi" / "release" / "privacy.json").read_text())
     assert release["guarantees"][0]["epsilon"] == pytest.approx(single.epsilon, rel=1e-6)
     assert (root / "multi" / "recipe.yaml").is_file()

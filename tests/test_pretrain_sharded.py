@@ -52,8 +52,14 @@ def runs(tmp_path_factory):
     one_log: list[str] = []
     pretrain(recipe, root / "one", progress=False, log=one_log.append, noise_seed_file=seed_file(root))
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
-    proc = subprocess.run([sys.executable, "-c", EIGHT, str(recipe), str(root), str(seed_file(root))], env=env, cwd=ROOT,
-                          capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-c", EIGHT, str(recipe), str(root), str(seed_file(root))],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     logs = dict(json.loads(line[4:]) for line in proc.stdout.splitlines() if line.startswith("LOG "))
     return root, {"one": one_log, **logs}
@@ -65,9 +71,12 @@ def test_eight_devices_train_like_one(runs, name):
     mesh = {"data8": "data=8 x fsdp=1", "data2_fsdp4": "data=2 x fsdp=4"}[name]
     # The compiled batch is the ledger's physical batch padded to devices x micro-batch.
     physical = json.loads((root / "one" / "privacy.json").read_text())["stages"][0]["physical_batch_size"]
-    assert f"mesh {mesh} over 1 process(es); compiled batch per stage {-(-physical // 16) * 16}" in "\n".join(logs[name])
+    assert f"mesh {mesh} over 1 process(es); compiled batch per stage {-(-physical // 16) * 16}" in "\n".join(
+        logs[name]
+    )
     assert f"mesh data=1 x fsdp=1 over 1 process(es); compiled batch per stage {-(-physical // 2) * 2}" in "\n".join(
-        logs["one"])
+        logs["one"]
+    )
     # The ledger (incl. the physical batch where sampling truncates) does not depend on the devices.
     ledger = json.loads((root / name / "privacy.json").read_text())
     assert ledger == json.loads((root / "one" / "privacy.json").read_text())
@@ -107,4 +116,3 @@ def test_the_comparison_is_not_vacuous(runs):
     init_norms = sorted(float(np.sum(x.astype(np.float64) ** 2)) for x in init_leaves)
     final_norms = sorted(float(np.sum(x.astype(np.float64) ** 2)) for x in final.values())
     assert abs(sum(final_norms) - sum(init_norms)) > 1.0, (sum(init_norms), sum(final_norms))
-

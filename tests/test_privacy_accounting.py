@@ -34,9 +34,7 @@ def test_matches_direct_dp_accounting_composition(accountant):
     else:
         acc = dp_accounting.rdp.RdpAccountant()
     for q, sigma, steps in ((0.01, 1.2, 30), (0.04, 1.5, 20)):
-        acc.compose(
-            dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(sigma)), count=steps
-        )
+        acc.compose(dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(sigma)), count=steps)
     expected = acc.get_epsilon(delta)
     got = compute_epsilon(TWO_STAGES, dataset_size=n, delta=delta, accountant=accountant)
     assert got == pytest.approx(expected, rel=1e-9)
@@ -73,7 +71,9 @@ def test_rdp_matches_opacus_on_the_mnist_setting():
     opacus_eps, _ = opacus_rdp.get_privacy_spent(orders=orders, rdp=rdp, delta=1e-5)
     ours = compute_epsilon(
         BatchSchedule.constant(steps=steps, expected_batch_size=256, noise_multiplier=1.1),
-        dataset_size=60_000, delta=1e-5, accountant="rdp",
+        dataset_size=60_000,
+        delta=1e-5,
+        accountant="rdp",
     )
     assert ours == pytest.approx(opacus_eps, rel=1e-3)
     assert ours == pytest.approx(2.5966, abs=1e-3)
@@ -85,7 +85,10 @@ def test_calibration_round_trips_sigma_epsilon_sigma():
     for accountant in ("rdp", "pld"):
         eps = compute_epsilon(schedule, dataset_size=n, delta=delta, accountant=accountant)
         back = calibrate_noise_multiplier(
-            schedule.with_noise_multipliers([5.0]), dataset_size=n, target_epsilon=eps, delta=delta,
+            schedule.with_noise_multipliers([5.0]),
+            dataset_size=n,
+            target_epsilon=eps,
+            delta=delta,
             accountant=accountant,
         )
         (recovered,) = back.noise_multipliers
@@ -101,8 +104,7 @@ def test_per_stage_calibration_gives_equal_shares_within_the_target():
     sigmas = out.noise_multipliers
     assert sigmas[1] > sigmas[0]  # the larger sampling rate needs more noise for the same share
     alone = [
-        compute_epsilon(BatchSchedule(stages=(s,)), dataset_size=n, delta=delta, accountant="rdp")
-        for s in out.stages
+        compute_epsilon(BatchSchedule(stages=(s,)), dataset_size=n, delta=delta, accountant="rdp") for s in out.stages
     ]
     assert alone[0] == pytest.approx(alone[1], rel=0.01)
     total = compute_epsilon(out, dataset_size=n, delta=delta, accountant="rdp")
@@ -147,7 +149,9 @@ def test_spent_ledger_counts_only_completed_steps():
     assert [s.steps for s in partial.stages] == [30, 10]
     expected = compute_epsilon(
         BatchSchedule(stages=(TWO_STAGES.stages[0], Stage(steps=10, expected_batch_size=400, noise_multiplier=1.5))),
-        dataset_size=10_000, delta=1e-6, accountant="rdp",
+        dataset_size=10_000,
+        delta=1e-6,
+        accountant="rdp",
     )
     assert partial.epsilon() == pytest.approx(expected)
     assert partial.epsilon() < ledger.epsilon()

@@ -42,8 +42,13 @@ def test_huge_gradients_are_clipped_to_exactly_clip_norm(scale):
     x = np.array([[1.0, -2.0, 0.5]]) * scale
     z = np.array([[3.0, 1.0]]) * scale
     total, stats = clipped_grad_sum(
-        linear_loss, PARAMS, make_batch(x, z), jnp.zeros(1, bool), jax.random.key(0),
-        clip_norm=clip, microbatch_size=1,
+        linear_loss,
+        PARAMS,
+        make_batch(x, z),
+        jnp.zeros(1, bool),
+        jax.random.key(0),
+        clip_norm=clip,
+        microbatch_size=1,
     )
     # One example: the sum is that example's clipped gradient, norm exactly C (not dropped).
     assert tree_norm(total) == pytest.approx(clip, rel=1e-5)
@@ -105,10 +110,22 @@ def test_padding_contributes_nothing_whatever_its_content():
     garbage_x[6] = 1e30
     garbage_x[7] = np.inf
     clean, _ = clipped_grad_sum(
-        linear_loss, PARAMS, make_batch(x[:5], z[:5]), jnp.zeros(5, bool), jax.random.key(0), clip_norm=0.5, microbatch_size=5
+        linear_loss,
+        PARAMS,
+        make_batch(x[:5], z[:5]),
+        jnp.zeros(5, bool),
+        jax.random.key(0),
+        clip_norm=0.5,
+        microbatch_size=5,
     )
     padded, stats = clipped_grad_sum(
-        linear_loss, PARAMS, make_batch(garbage_x, z), jnp.asarray(pad), jax.random.key(0), clip_norm=0.5, microbatch_size=4
+        linear_loss,
+        PARAMS,
+        make_batch(garbage_x, z),
+        jnp.asarray(pad),
+        jax.random.key(0),
+        clip_norm=0.5,
+        microbatch_size=4,
     )
     for k in clean:
         np.testing.assert_allclose(padded[k], clean[k], rtol=1e-6)
@@ -123,8 +140,13 @@ def test_nonfinite_example_contributes_zero_and_is_counted():
     bad[1] = [np.nan, 0.0, 1.0]
     bad[3] = [np.inf, 0.0, 0.0]
     expected, _ = clipped_grad_sum(
-        linear_loss, PARAMS, make_batch(x[[0, 2]], z[[0, 2]]), jnp.zeros(2, bool), jax.random.key(0),
-        clip_norm=1.0, microbatch_size=1,
+        linear_loss,
+        PARAMS,
+        make_batch(x[[0, 2]], z[[0, 2]]),
+        jnp.zeros(2, bool),
+        jax.random.key(0),
+        clip_norm=1.0,
+        microbatch_size=1,
     )
     got, stats = clipped_grad_sum(
         linear_loss, PARAMS, make_batch(bad, z), jnp.zeros(4, bool), jax.random.key(0), clip_norm=1.0, microbatch_size=2
@@ -142,7 +164,9 @@ def test_result_does_not_depend_on_microbatch_size():
     z = rng.normal(size=(16, 2)) * 3
     pad = jnp.asarray(np.arange(16) >= 13)
     results = [
-        clipped_grad_sum(keyed_loss, PARAMS, make_batch(x, z), pad, jax.random.key(7), clip_norm=1.0, microbatch_size=m)[0]
+        clipped_grad_sum(
+            keyed_loss, PARAMS, make_batch(x, z), pad, jax.random.key(7), clip_norm=1.0, microbatch_size=m
+        )[0]
         for m in (1, 4, 16)
     ]
     for other in results[1:]:
@@ -150,7 +174,14 @@ def test_result_does_not_depend_on_microbatch_size():
             np.testing.assert_allclose(other[k], results[0][k], rtol=1e-5, atol=1e-6)
     # position_offset shifts every example's key: a different sum (the keys matter).
     shifted, _ = clipped_grad_sum(
-        keyed_loss, PARAMS, make_batch(x, z), pad, jax.random.key(7), clip_norm=1.0, microbatch_size=4, position_offset=16
+        keyed_loss,
+        PARAMS,
+        make_batch(x, z),
+        pad,
+        jax.random.key(7),
+        clip_norm=1.0,
+        microbatch_size=4,
+        position_offset=16,
     )
     assert not np.allclose(shifted["a"], results[0]["a"])
 
@@ -163,4 +194,6 @@ def test_bad_arguments_name_the_field():
     with pytest.raises(ValueError, match="microbatch_size"):
         clipping.clipped_grad_sum(linear_loss, PARAMS, batch, pad, jax.random.key(0), clip_norm=1.0, microbatch_size=3)
     with pytest.raises(ValueError, match="leading dimension"):
-        clipping.clipped_grad_sum(linear_loss, PARAMS, batch, jnp.zeros(5, bool), jax.random.key(0), clip_norm=1.0, microbatch_size=1)
+        clipping.clipped_grad_sum(
+            linear_loss, PARAMS, batch, jnp.zeros(5, bool), jax.random.key(0), clip_norm=1.0, microbatch_size=1
+        )

@@ -41,7 +41,9 @@ def test_realized_sizes_follow_binomial(draws):
     assert sizes.var() == pytest.approx(N * q * (1 - q), rel=0.15)
     # Pearson chi-square of the size histogram against the Binomial(N, q) pmf.
     edges = np.arange(8, 33)
-    observed = np.array([np.sum(sizes <= edges[0])] + [np.sum(sizes == k) for k in edges[1:-1]] + [np.sum(sizes >= edges[-1])])
+    observed = np.array(
+        [np.sum(sizes <= edges[0])] + [np.sum(sizes == k) for k in edges[1:-1]] + [np.sum(sizes >= edges[-1])]
+    )
     pmf = stats.binom(N, q)
     expected = STEPS * np.array([pmf.cdf(edges[0])] + [pmf.pmf(k) for k in edges[1:-1]] + [pmf.sf(edges[-1] - 1)])
     chi2 = np.sum((observed - expected) ** 2 / expected)
@@ -66,7 +68,9 @@ def test_same_key_and_step_replay_exactly():
     assert not np.array_equal(a.indices, c.indices)
     assert not np.array_equal(poisson_sample(jax.random.key(1), 17, 10_000, 100, 200).indices, a.indices)
     # Integer seeds are accepted too, and deterministic.
-    np.testing.assert_array_equal(poisson_sample(5, 3, 1000, 10, 40).indices, poisson_sample(5, 3, 1000, 10, 40).indices)
+    np.testing.assert_array_equal(
+        poisson_sample(5, 3, 1000, 10, 40).indices, poisson_sample(5, 3, 1000, 10, 40).indices
+    )
 
 
 def test_padding_is_static_shape_and_at_the_end():
@@ -75,7 +79,7 @@ def test_padding_is_static_shape_and_at_the_end():
     real = b.indices[~b.is_padding]
     assert real.size == b.realized_size and not b.truncated
     assert np.all(np.diff(real) > 0) and real.min() >= 0 and real.max() < 1000
-    assert np.all(b.is_padding[b.realized_size:]) and not np.any(b.is_padding[: b.realized_size])
+    assert np.all(b.is_padding[b.realized_size :]) and not np.any(b.is_padding[: b.realized_size])
 
 
 def test_processes_take_contiguous_shares_of_the_same_global_batch():

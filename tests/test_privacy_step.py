@@ -51,8 +51,13 @@ def test_sigma_zero_equals_average_of_one_by_one_clipped_grads():
     batch_with_garbage = {k: v.at[12].set(jnp.nan) for k, v in batch.items()}
     key = step_key(jax.random.key(3), 5)
     step = make_dp_train_step(
-        quadratic_loss, optax.sgd(1.0), clip_norm=clip, noise_multiplier=0.0,
-        expected_batch_size=expected_b, microbatch_size=4, donate=False,
+        quadratic_loss,
+        optax.sgd(1.0),
+        clip_norm=clip,
+        noise_multiplier=0.0,
+        expected_batch_size=expected_b,
+        microbatch_size=4,
+        donate=False,
     )
     grad, metrics = sgd_grad(step, init_params(), batch_with_garbage, jnp.asarray(pad), key)
 
@@ -91,8 +96,13 @@ def test_noise_std_is_sigma_c_over_expected_b_for_any_microbatching(physical):
     updates = []
     for micro in (1, 4, 16):
         step = make_dp_train_step(
-            zero_grad_loss, optax.sgd(1.0), clip_norm=clip, noise_multiplier=sigma,
-            expected_batch_size=expected_b, microbatch_size=micro, donate=False,
+            zero_grad_loss,
+            optax.sgd(1.0),
+            clip_norm=clip,
+            noise_multiplier=sigma,
+            expected_batch_size=expected_b,
+            microbatch_size=micro,
+            donate=False,
         )
         grad, _ = sgd_grad(step, params, batch, pad, key)
         updates.append(grad["w"])
@@ -151,8 +161,13 @@ def test_replaying_a_step_gives_identical_update():
 
 def test_metrics_are_labelled_private_or_nonprivate():
     step = make_dp_train_step(
-        quadratic_loss, optax.sgd(0.1), clip_norm=1.0, noise_multiplier=1.0,
-        expected_batch_size=8, microbatch_size=2, donate=False,
+        quadratic_loss,
+        optax.sgd(0.1),
+        clip_norm=1.0,
+        noise_multiplier=1.0,
+        expected_batch_size=8,
+        microbatch_size=2,
+        donate=False,
     )
     params = init_params()
     _, _, metrics = step(params, optax.sgd(0.1).init(params), make_batch(8), jnp.zeros(8, bool), jax.random.key(1))
@@ -170,7 +185,9 @@ def test_nonprivate_step_is_the_plain_mean_gradient():
     expected = jax.tree.map(
         lambda *gs: np.mean(np.stack(gs), axis=0),
         *[
-            jax.grad(quadratic_loss)(init_params(), {k: v[i] for k, v in batch.items()}, jax.random.fold_in(example_parent, i))
+            jax.grad(quadratic_loss)(
+                init_params(), {k: v[i] for k, v in batch.items()}, jax.random.fold_in(example_parent, i)
+            )
             for i in range(6)
         ],
     )

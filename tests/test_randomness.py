@@ -22,8 +22,17 @@ from dpbert.privacy.randomness import (
 )
 
 SECRET = RunSecret(bytes(range(32)), SUPPLIED)
-PURPOSES = ["pretrain/masking", "pretrain/stage/0", "pretrain/stage/1", "finetune/sst2", "finetune/cola",
-            "audit/gradient/run", "audit/gradient/canaries", "audit/input/run", "audit/input/canaries"]
+PURPOSES = [
+    "pretrain/masking",
+    "pretrain/stage/0",
+    "pretrain/stage/1",
+    "finetune/sst2",
+    "finetune/cola",
+    "audit/gradient/run",
+    "audit/gradient/canaries",
+    "audit/input/run",
+    "audit/input/canaries",
+]
 
 
 def _noise(key: jax.Array, step: int = 0, n: int = 200_000) -> np.ndarray:
@@ -41,20 +50,29 @@ def test_every_purpose_gets_its_own_key_and_independent_noise():
     data = {p: tuple(np.asarray(jax.random.key_data(k)).tolist()) for p, k in keys.items()}
     assert len(set(data.values())) == len(PURPOSES)
     # The same secret and purpose give the same key (a resume replays); another secret does not.
-    assert np.array_equal(jax.random.key_data(mechanism_key(SECRET, "finetune/sst2")), jax.random.key_data(keys["finetune/sst2"]))
+    assert np.array_equal(
+        jax.random.key_data(mechanism_key(SECRET, "finetune/sst2")), jax.random.key_data(keys["finetune/sst2"])
+    )
     other = RunSecret(bytes(range(1, 33)), SUPPLIED)
-    assert not np.array_equal(jax.random.key_data(mechanism_key(other, "finetune/sst2")), jax.random.key_data(keys["finetune/sst2"]))
+    assert not np.array_equal(
+        jax.random.key_data(mechanism_key(other, "finetune/sst2")), jax.random.key_data(keys["finetune/sst2"])
+    )
     # Pretraining's and fine-tuning's noise at the same step are uncorrelated standard normals:
     # |r| < 5 / sqrt(n) (a shared or shifted stream would give |r| near 1).
     pre, fine = _noise(keys["pretrain/stage/0"]), _noise(keys["finetune/sst2"])
     assert abs(np.corrcoef(pre, fine)[0, 1]) < 5 / np.sqrt(pre.size)
     assert abs(pre.std() - 1) < 0.01 and abs(fine.std() - 1) < 0.01
-    assert abs(np.corrcoef(_noise(keys["pretrain/stage/0"], 0), _noise(keys["pretrain/stage/0"], 1))[0, 1]) < 5 / np.sqrt(pre.size)
+    assert abs(
+        np.corrcoef(_noise(keys["pretrain/stage/0"], 0), _noise(keys["pretrain/stage/0"], 1))[0, 1]
+    ) < 5 / np.sqrt(pre.size)
 
 
 def test_audit_keys_are_disjoint_from_training_keys():
-    training = {tuple(np.asarray(jax.random.key_data(mechanism_key(SECRET, p))).tolist())
-                for p in PURPOSES if not p.startswith("audit/")}
+    training = {
+        tuple(np.asarray(jax.random.key_data(mechanism_key(SECRET, p))).tolist())
+        for p in PURPOSES
+        if not p.startswith("audit/")
+    }
     for kind in ("gradient", "input"):
         run, canaries = audit_keys(SECRET, kind)
         for key in (run, canaries):
@@ -73,10 +91,13 @@ def test_secret_file_is_owner_only_and_replays_on_resume(tmp_path):
     assert run_secret(path, reuse=False, supplied=supplied) == RunSecret(bytes([0xAB] * 32), SUPPLIED)
 
 
-@pytest.mark.parametrize(("text", "message"), [
-    ("zz" * 32, "expected hexadecimal digits only"),
-    ("ab" * 8, "64 bits; expected at least 128"),
-])
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("zz" * 32, "expected hexadecimal digits only"),
+        ("ab" * 8, "64 bits; expected at least 128"),
+    ],
+)
 def test_bad_seed_files_are_named(tmp_path, text, message):
     path = tmp_path / "seed.hex"
     path.write_text(text)

@@ -69,16 +69,20 @@ def test_tiny_pair_differs_only_in_privacy_and_learning_rate():
         ({**MINIMAL, "privacy": {"target_epsilon": -1.0}}, "privacy.target_epsilon"),
         ({**MINIMAL, "privacy": {"clip_norm": 1.0}}, "privacy.target_epsilon"),
         ({**MINIMAL, "privacy": {"target_epsilon": 1.0, "accountant": "moments"}}, "privacy.accountant"),
-        ({**MINIMAL, "schedule": [{"steps": 4, "expected_batch_size": 8}, {"steps": 0, "expected_batch_size": 8}]},
-         "schedule[1].steps"),
+        (
+            {**MINIMAL, "schedule": [{"steps": 4, "expected_batch_size": 8}, {"steps": 0, "expected_batch_size": 8}]},
+            "schedule[1].steps",
+        ),
         ({**MINIMAL, "schedule": [{"steps": 4}]}, "schedule[0].expected_batch_size"),
         ({**MINIMAL, "schedule": []}, "schedule"),
         ({**MINIMAL, "train": {"microbatch_size": 0}}, "train.microbatch_size"),
         ({**MINIMAL, "train": {"dtype": "float16"}}, "train.dtype"),
         ({**MINIMAL, "train": {"layer_mode": "fast"}}, "train.layer_mode"),
         ({**MINIMAL, "model": {"remat": "yes"}}, "model.remat"),
-        ({**MINIMAL, "data": {"seq_len": 32}, "model": {"max_position_embeddings": 16}},
-         "model.max_position_embeddings"),
+        (
+            {**MINIMAL, "data": {"seq_len": 32}, "model": {"max_position_embeddings": 16}},
+            "model.max_position_embeddings",
+        ),
         ({**MINIMAL, "report": {"fill_mask": ["no mask here"]}}, "report.fill_mask[0]"),
         ({"schedule": MINIMAL["schedule"]}, "privacy"),
     ],
@@ -114,11 +118,16 @@ def test_remat_and_layer_mode_reach_the_model_and_the_clipped_loss():
     from dpbert.train.mesh import make_mesh
     from dpbert.train.pretrain import abstract_state, bert_config, make_mlm_loss, make_optimizer
 
-    raw = {**MINIMAL, "model": {"vocab_size": 64, "hidden_size": 16, "num_attention_heads": 2,
-                                "intermediate_size": 32}, "data": {"seq_len": 16}}
+    raw = {
+        **MINIMAL,
+        "model": {"vocab_size": 64, "hidden_size": 16, "num_attention_heads": 2, "intermediate_size": 32},
+        "data": {"seq_len": 16},
+    }
     for remat in (False, True):
         recipe = load_recipe_dict(raw, [f"model.remat={str(remat).lower()}", "train.layer_mode=instantiate"])
-        abstract = abstract_state(recipe, bert_config(recipe), make_optimizer(recipe), make_mesh(devices=jax.devices()[:1]))
+        abstract = abstract_state(
+            recipe, bert_config(recipe), make_optimizer(recipe), make_mesh(devices=jax.devices()[:1])
+        )
         assert nnx.merge(abstract.graphdef, abstract.params).bert.encoder.remat is remat
         loss = make_mlm_loss(recipe, abstract.graphdef, masker=None, run_key=jax.random.key(0))
         assert loss.layer_mode == "instantiate"
@@ -147,8 +156,9 @@ def test_document_recipe_is_the_default_but_for_its_unit():
     doc = recipe_to_dict(load_recipe(next(p for p in RECIPES if p.name == "tiny_document.yaml")))
     assert doc["privacy"]["unit"] == "document" and tiny["privacy"]["unit"] == "sequence"
     assert doc["model"] == tiny["model"] and doc["optimizer"] == tiny["optimizer"]
-    assert {k: v for k, v in doc["data"].items() if k != "mask_prob"} == \
-        {k: v for k, v in tiny["data"].items() if k != "mask_prob"}
+    assert {k: v for k, v in doc["data"].items() if k != "mask_prob"} == {
+        k: v for k, v in tiny["data"].items() if k != "mask_prob"
+    }
     steps = lambda r: [s["steps"] for s in r["schedule"]]  # noqa: E731
     assert steps(doc) == steps(tiny)
     per_step = doc["schedule"][0]["expected_batch_size"] * doc["privacy"]["max_sequences_per_document"]

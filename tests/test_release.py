@@ -27,7 +27,27 @@ from dpbert.release.card import read_front_matter
 sys.path.insert(0, str(Path(__file__).parent))
 from hub_server import HubServer  # noqa: E402
 
-WORDS = "the quick brown fox jumps over lazy dog cat sat on mat a and are friends state union nation".split()
+WORDS = [
+    "the",
+    "quick",
+    "brown",
+    "fox",
+    "jumps",
+    "over",
+    "lazy",
+    "dog",
+    "cat",
+    "sat",
+    "on",
+    "mat",
+    "a",
+    "and",
+    "are",
+    "friends",
+    "state",
+    "union",
+    "nation",
+]
 TOKEN = "hf_test_secret_token_123"
 EVAL_ACCURACY = 0.4375
 
@@ -43,8 +63,14 @@ RECIPE = {
 }
 DATASET_SIZE = 1000
 # The train split of the fixture's token store: what a guarantee's unit reports.
-TRAIN_SPLIT = {"file": "train.bin", "num_examples": 1000, "num_documents": 400, "num_tokens": 25000,
-               "max_sequences_per_document": 7, "mean_sequences_per_document": 2.5}
+TRAIN_SPLIT = {
+    "file": "train.bin",
+    "num_examples": 1000,
+    "num_documents": 400,
+    "num_tokens": 25000,
+    "max_sequences_per_document": 7,
+    "mean_sequences_per_document": 2.5,
+}
 
 
 def recipe_text(raw: dict | None = None) -> str:
@@ -163,10 +189,20 @@ def _make_run(
     }
     (store / "manifest.json").write_text(json.dumps(manifest))
     records = [
-        {"kind": "train", "step": 1, "realized_batch_size": 29, "examples_per_s": 123.5,
-         "nonprivate_diagnostics": {"loss": 6.1, "clip_fraction": 0.9}},
-        {"kind": "train", "step": 2, "realized_batch_size": 35, "examples_per_s": 130.5,
-         "nonprivate_diagnostics": {"loss": 5.9, "clip_fraction": 0.7}},
+        {
+            "kind": "train",
+            "step": 1,
+            "realized_batch_size": 29,
+            "examples_per_s": 123.5,
+            "nonprivate_diagnostics": {"loss": 6.1, "clip_fraction": 0.9},
+        },
+        {
+            "kind": "train",
+            "step": 2,
+            "realized_batch_size": 35,
+            "examples_per_s": 130.5,
+            "nonprivate_diagnostics": {"loss": 5.9, "clip_fraction": 0.7},
+        },
         {"kind": "eval", "step": 10, "eval_mlm_accuracy": 0.25, "eval_mlm_loss": 5.0},
         {"kind": "eval", "step": 20, "eval_mlm_accuracy": EVAL_ACCURACY, "eval_mlm_loss": 4.5},
     ]
@@ -230,16 +266,24 @@ def test_privacy_json_holds_the_ledger_and_the_recomputed_epsilon(release: Path)
     from dpbert.privacy.accounting import PrivacyLedger, group_epsilon
 
     # With the corpus' largest document (7 sequences): what group privacy gives it, by the accountant.
-    assert g["unit"] == {"sequence_tokens": 32, "documents": 400, "max_sequences_per_document": 7,
-                         "mean_sequences_per_document": 2.5,
-                         "document_group_epsilon": group_epsilon(PrivacyLedger.from_dict(ledger), 7)}
+    assert g["unit"] == {
+        "sequence_tokens": 32,
+        "documents": 400,
+        "max_sequences_per_document": 7,
+        "mean_sequences_per_document": 2.5,
+        "document_group_epsilon": group_epsilon(PrivacyLedger.from_dict(ledger), 7),
+    }
     assert g["noise"]["coordinates"] > 0 and g["noise"]["sampler"]
     assert data["public_inputs"] == [
         {"input": "dataset_size", "scope": "pretraining", "value": 1000, "source": "rounded"},
         {"input": "vocabulary", "value": data["vocabulary"]["origin"], "source": "public"},
         {"input": "recipe", "value": "recipe.yaml", "source": "recipe.content"},
-        {"input": "randomness_source", "scope": "pretraining", "value": "os-csprng",
-         "source": "the run folder's randomness record (the secret itself is never released)"},
+        {
+            "input": "randomness_source",
+            "scope": "pretraining",
+            "value": "os-csprng",
+            "source": "the run folder's randomness record (the secret itself is never released)",
+        },
     ]
     # Data-dependent figures are named, and their values left out unless asked for.
     assert data["non_private_diagnostics"] == {
@@ -268,16 +312,24 @@ def test_card_metadata_round_trips_through_modelcard_load(release: Path) -> None
     (result,) = card.data.eval_results
     assert result.metric_type == "accuracy" and result.metric_value == pytest.approx(EVAL_ACCURACY)
     body = card.text
-    for needed in ("What is protected", "What is not protected", "Vocabulary", "How to reproduce",
-                   "Limitations", 'pipeline("fill-mask", model="dpbert-test/tiny-dp")', "dpbert pull",
-                   "### What is treated as public", "## Non-private diagnostics",
-                   "one sequence of 32 tokens; a document of this corpus has up to 7 sequences (mean 2.5); a whole "
-                   "document of 7 sequences",
-                   "1,000 (public: the true count rounded down to 2 significant digits",
-                   "os-csprng: the DP noise and sampling come from a secret"):
+    for needed in (
+        "What is protected",
+        "What is not protected",
+        "Vocabulary",
+        "How to reproduce",
+        "Limitations",
+        'pipeline("fill-mask", model="dpbert-test/tiny-dp")',
+        "dpbert pull",
+        "### What is treated as public",
+        "## Non-private diagnostics",
+        "one sequence of 32 tokens; a document of this corpus has up to 7 sequences (mean 2.5); a whole "
+        "document of 7 sequences",
+        "1,000 (public: the true count rounded down to 2 significant digits",
+        "os-csprng: the DP noise and sampling come from a secret",
+    ):
         assert needed in body, needed
     # The data-dependent figures are named under their own heading only, and their values are not published.
-    diagnostics = body[body.index("## Non-private diagnostics"):body.index("## Evaluation")]
+    diagnostics = body[body.index("## Non-private diagnostics") : body.index("## Evaluation")]
     assert "clip_fraction" in diagnostics and "left out of this release" in diagnostics
     assert "clip_fraction" not in body.replace(diagnostics, "")
     for value in ("6.1", "5.9", "123.5", "130.5"):
@@ -291,11 +343,16 @@ def test_diagnostics_are_included_only_when_asked_and_labelled(hf_model_dir: Pat
     assert values["included"] is True
     assert values["values"] == {
         "records": 2,
-        "mean": {"clip_fraction": pytest.approx(0.8), "examples_per_s": 127.0, "loss": 6.0, "realized_batch_size": 32.0},
+        "mean": {
+            "clip_fraction": pytest.approx(0.8),
+            "examples_per_s": 127.0,
+            "loss": 6.0,
+            "realized_batch_size": 32.0,
+        },
         "last": {"step": 2, "realized_batch_size": 35.0, "examples_per_s": 130.5, "loss": 5.9, "clip_fraction": 0.7},
     }
     body = (out / "README.md").read_text()
-    section = body[body.index("## Non-private diagnostics"):body.index("## Evaluation")]
+    section = body[body.index("## Non-private diagnostics") : body.index("## Evaluation")]
     assert "**not covered by the guarantee**" in section and "| loss | 6 | 5.9 |" in section
     assert "| realized_batch_size | 32 | 35 |" in section
     assert "130.5" not in body.replace(section, "")
@@ -431,7 +488,9 @@ def test_interrupted_export_leaves_no_folder(hf_model_dir: Path, tmp_path: Path)
     write_release(out, model=hf_model_dir, meta=_meta(), info=_info())
     before = {p.name: p.read_bytes() for p in out.iterdir()}
     with pytest.raises(OSError, match="disk full"):
-        write_release(out, model=_FailingModel(), meta=_meta(), info=_info(), tokenizer_dir=hf_model_dir, overwrite=True)
+        write_release(
+            out, model=_FailingModel(), meta=_meta(), info=_info(), tokenizer_dir=hf_model_dir, overwrite=True
+        )
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
     assert [p.name for p in tmp_path.iterdir()] == ["out"]
     with pytest.raises(ValueError, match="already exists"):
@@ -443,8 +502,9 @@ def test_two_guarantees_pretraining_and_task_data(hf_model_dir: Path, tmp_path: 
     meta = ReleaseMetadata(
         guarantees=(
             Guarantee.from_ledger(scope="pretraining", data="sotu", ledger=_ledger(), randomness=OS_CSPRNG),
-            Guarantee.from_ledger(scope="fine-tuning", data="SST-2 train split", ledger=task_ledger,
-                                  randomness=OS_CSPRNG),
+            Guarantee.from_ledger(
+                scope="fine-tuning", data="SST-2 train split", ledger=task_ledger, randomness=OS_CSPRNG
+            ),
         ),
         vocabulary_origin="public bert-base-uncased vocabulary",
         vocabulary_covered=True,
@@ -490,8 +550,10 @@ def test_truncation_delta_is_stated_and_checked(hf_model_dir: Path, tmp_path: Pa
     assert "truncation_delta for 'pretraining' is 0.0" in problem
     # A physical batch whose truncation costs more than 1% of delta is a plan the trainer refuses.
     (problem,) = verify_folder(release_with_physical_batch(110, "t2")).problems
-    assert problem.endswith("privacy.json: guarantees[0].ledger.stages: truncated Poisson samples add delta 3.36e-06 "
-                            "> 0.01 * delta (physical_batch_size too small; the trainer refuses such a plan)")
+    assert problem.endswith(
+        "privacy.json: guarantees[0].ledger.stages: truncated Poisson samples add delta 3.36e-06 "
+        "> 0.01 * delta (physical_batch_size too small; the trainer refuses such a plan)"
+    )
 
 
 def test_release_from_a_flax_model_loads_in_transformers(hf_model_dir: Path, tmp_path: Path) -> None:

@@ -23,14 +23,21 @@ SEQ, P, B, MB = 12, 4, 6, 3
 CONFIGS = {
     # BERT tiny's layer shapes (2 x 128, 2 heads, FFN 512) with a small vocabulary.
     "tiny": dict(vocab_size=97, hidden_size=128, num_hidden_layers=2, num_attention_heads=2, intermediate_size=512),
-    "3-layer": dict(vocab_size=61, hidden_size=16, num_hidden_layers=3, num_attention_heads=2, intermediate_size=24,
-                    type_vocab_size=3),
+    "3-layer": dict(
+        vocab_size=61,
+        hidden_size=16,
+        num_hidden_layers=3,
+        num_attention_heads=2,
+        intermediate_size=24,
+        type_vocab_size=3,
+    ),
 }
 
 
 def _config(name: str) -> BertConfig:
-    return BertConfig(max_position_embeddings=16, hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1,
-                      **CONFIGS[name])
+    return BertConfig(
+        max_position_embeddings=16, hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1, **CONFIGS[name]
+    )
 
 
 def _batch(config: BertConfig, seed: int = 0) -> dict[str, jax.Array]:
@@ -63,8 +70,10 @@ def unrolled_logits(graphdef, params, example, key):
 
 
 def _max_err(got, want) -> tuple[float, float]:
-    err = max(float(jnp.max(jnp.abs(a - b))) for a, b in zip(jax.tree_util.tree_leaves(got),
-                                                              jax.tree_util.tree_leaves(want), strict=True))
+    err = max(
+        float(jnp.max(jnp.abs(a - b)))
+        for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want), strict=True)
+    )
     return err, float(optax.tree.norm(want))
 
 
@@ -76,7 +85,8 @@ def setup(request):
     gen = np.random.default_rng(1)
     leaves, treedef = jax.tree_util.tree_flatten(params)
     params = jax.tree_util.tree_unflatten(
-        treedef, [x + 0.05 * gen.standard_normal(x.shape).astype(np.float32) for x in leaves])
+        treedef, [x + 0.05 * gen.standard_normal(x.shape).astype(np.float32) for x in leaves]
+    )
     loss = MLMGhostLoss(graphdef=graphdef)
     batch = _batch(config)
     key = jax.random.key(7)
@@ -104,17 +114,26 @@ def test_stacked_parameters_are_the_per_layer_initialisation():
     assert per_layer["bert"]["encoder"]["layer"][2]["output"]["dense"]["kernel"].shape == (24, 16)
     back = functional.stack_layers(per_layer)
     assert jax.tree_util.tree_structure(back) == jax.tree_util.tree_structure(params)
-    assert all(bool(jnp.array_equal(a, b)) for a, b in zip(jax.tree_util.tree_leaves(back),
-                                                           jax.tree_util.tree_leaves(params)))
+    assert all(
+        bool(jnp.array_equal(a, b)) for a, b in zip(jax.tree_util.tree_leaves(back), jax.tree_util.tree_leaves(params))
+    )
 
 
 def test_scanned_logits_and_gradients_equal_unrolled(setup):
     config, graphdef, params, loss, batch, key, keys, unrolled_loss, want_losses, want_grads = setup
     example = jax.tree_util.tree_map(lambda x: x[1], batch)
     for k in (None, keys[1]):  # inference and dropout (same fold_in sites per layer)
-        got = jax.jit(lambda p, k=k: functional.mlm_logits(
-            graphdef, p, example["input_ids"], example["attention_mask"], example["token_type_ids"], k,
-            masked_positions=example["masked_positions"]))(params)
+        got = jax.jit(
+            lambda p, k=k: functional.mlm_logits(
+                graphdef,
+                p,
+                example["input_ids"],
+                example["attention_mask"],
+                example["token_type_ids"],
+                k,
+                masked_positions=example["masked_positions"],
+            )
+        )(params)
         want = jax.jit(lambda p, k=k: unrolled_logits(graphdef, p, example, k))(params)
         err, _ = _max_err(got, want)
         assert err <= 1e-5 * max(1.0, float(jnp.max(jnp.abs(want)))), err
@@ -142,8 +161,9 @@ def test_ghost_norms_and_clipped_sums_equal_unrolled(setup):
     factor = np.where(np.asarray(is_padding), 0.0, np.minimum(1.0, clip_norm / norms))
     want = jax.tree_util.tree_map(lambda g: jnp.tensordot(jnp.asarray(factor, jnp.float32), g, axes=1), want_grads)
     for impl in (ghost_clipped_grad_sum, clipped_grad_sum):
-        got, stats = jax.jit(lambda p, impl=impl: impl(loss, p, batch, is_padding, key, clip_norm=clip_norm,
-                                                        microbatch_size=MB))(params)
+        got, stats = jax.jit(
+            lambda p, impl=impl: impl(loss, p, batch, is_padding, key, clip_norm=clip_norm, microbatch_size=MB)
+        )(params)
         err, scale = _max_err(got, want)
         assert err <= 1e-5 * scale, (impl.__name__, err, scale)
         assert float(stats.num_examples) == B - 1
@@ -163,12 +183,18 @@ def test_hf_folder_unchanged_through_the_scanned_model(tmp_path):
     ours = BertForMaskedLM.from_pretrained(str(tmp_path / "hf"))
     assert ours.bert.encoder.layer.attention.self.query.kernel.shape == (3, 16, 16)
     ours.save_pretrained(str(tmp_path / "ours"))
-    saved, original = load_file(tmp_path / "ours" / "model.safetensors"), load_file(tmp_path / "hf" / "model.safetensors")
+    saved, original = (
+        load_file(tmp_path / "ours" / "model.safetensors"),
+        load_file(tmp_path / "hf" / "model.safetensors"),
+    )
     assert "bert.encoder.layer.2.output.dense.weight" in saved
     # Every tensor transformers wrote comes back bit for bit (tied decoder and buffers aside).
-    assert set(saved) == {k for k in original if k not in ("cls.predictions.decoder.weight",
-                                                           "cls.predictions.decoder.bias")
-                          and not k.endswith(("position_ids", "token_type_ids"))}
+    assert set(saved) == {
+        k
+        for k in original
+        if k not in ("cls.predictions.decoder.weight", "cls.predictions.decoder.bias")
+        and not k.endswith(("position_ids", "token_type_ids"))
+    }
     for name, value in saved.items():
         assert np.array_equal(value, original[name]), name
     back, info = transformers.BertForMaskedLM.from_pretrained(tmp_path / "ours", output_loading_info=True)
@@ -193,8 +219,10 @@ def test_checkpoint_written_before_the_scan_restores_or_is_refused(tmp_path, mon
     config = _config("3-layer")
     state = _train_state(config)
     # A checkpoint as dpbert wrote it before the scan: per-layer arrays, format .../1.
-    legacy = state.replace(params=functional.unstack_layers(state.params),
-                           opt_state=_map_states(state.opt_state, functional.unstack_layers))
+    legacy = state.replace(
+        params=functional.unstack_layers(state.params),
+        opt_state=_map_states(state.opt_state, functional.unstack_layers),
+    )
     with monkeypatch.context() as m:
         m.setattr(checkpoint, "FORMAT", checkpoint.LEGACY_FORMAT)
         store = CheckpointStore(tmp_path / "old")
@@ -205,8 +233,11 @@ def test_checkpoint_written_before_the_scan_restores_or_is_refused(tmp_path, mon
     restored = old.restore(like, {"model": "m"})
     assert restored.step == 3
     assert jax.tree_util.tree_structure(restored.opt_state) == jax.tree_util.tree_structure(state.opt_state)
-    for a, b in zip(jax.tree_util.tree_leaves((restored.params, restored.opt_state)),
-                    jax.tree_util.tree_leaves((state.params, state.opt_state)), strict=True):
+    for a, b in zip(
+        jax.tree_util.tree_leaves((restored.params, restored.opt_state)),
+        jax.tree_util.tree_leaves((state.params, state.opt_state)),
+        strict=True,
+    ):
         assert np.array_equal(np.asarray(a), np.asarray(b))
     # A new checkpoint is written in the stacked layout and restores as is.
     store = CheckpointStore(tmp_path / "new")
@@ -214,8 +245,10 @@ def test_checkpoint_written_before_the_scan_restores_or_is_refused(tmp_path, mon
     again = store.restore(like, {"model": "m"})
     store.close()
     assert checkpoint.read_meta(tmp_path / "new" / "3")["format"] == checkpoint.FORMAT
-    assert all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(
-        jax.tree_util.tree_leaves(again.params), jax.tree_util.tree_leaves(state.params)))
+    assert all(
+        np.array_equal(np.asarray(a), np.asarray(b))
+        for a, b in zip(jax.tree_util.tree_leaves(again.params), jax.tree_util.tree_leaves(state.params))
+    )
     # A per-layer checkpoint that cannot be stacked into this model is refused by name.
     wider = BertConfig(max_position_embeddings=16, **(CONFIGS["3-layer"] | {"hidden_size": 20}))
     other = jax.eval_shape(lambda: _train_state(wider))

@@ -59,7 +59,9 @@ def test_arms_process_the_same_examples_and_differ_only_in_the_schedule(spec):
         if arm.unit == "document":  # the same model, data and optimizer; its privacy section is its unit's,
             mine, base = rest(r), json.loads(json.dumps(first))  # and its micro-batches count documents
             assert mine["train"].pop("microbatch_size") * arm.sequences_per_unit == base["train"].pop("microbatch_size")
-            assert {k: v for k, v in mine.items() if k != "privacy"} == {k: v for k, v in base.items() if k != "privacy"}
+            assert {k: v for k, v in mine.items() if k != "privacy"} == {
+                k: v for k, v in base.items() if k != "privacy"
+            }
             assert r["privacy"]["target_epsilon"] == first["privacy"]["target_epsilon"]
         elif arm.private:
             assert rest(r) == first, arm.name
@@ -102,12 +104,15 @@ def load_recipe_dataset_size(spec) -> int:
     return n
 
 
-@pytest.mark.parametrize("bad, match", [
-    ({"set": ["schedule.0.steps=3"]}, "differ in more than the batch size"),
-    ({"set": ["privacy.target_epsilon=3"]}, "differ in more than the batch size"),
-    ({"schedule": [512, 256]}, "strictly increasing"),
-    ({"color": "red"}, "unknown field"),
-])
+@pytest.mark.parametrize(
+    "bad, match",
+    [
+        ({"set": ["schedule.0.steps=3"]}, "differ in more than the batch size"),
+        ({"set": ["privacy.target_epsilon=3"]}, "differ in more than the batch size"),
+        ({"schedule": [512, 256]}, "strictly increasing"),
+        ({"color": "red"}, "unknown field"),
+    ],
+)
 def test_bad_sweep_files_name_the_field(tmp_path, bad, match):
     raw = {"recipe": str(SWEEP.parent / "tiny.yaml"), "examples": 1024, "batch_sizes": [64, 128]} | bad
     path = tmp_path / "sweep.yaml"
@@ -122,18 +127,36 @@ def test_run_sweep_writes_rows_table_and_figure(tmp_path, monkeypatch, capsys):
     import dpbert.train.pretrain as pretrain_lib
 
     path = tmp_path / "sweep.yaml"
-    path.write_text(json.dumps({"recipe": str(SWEEP.parent / "tiny.yaml"), "examples": 2048,
-                                "batch_sizes": [64, 256, 1024], "schedule": [256, 1024],
-                                "nonprivate_batch_size": 64, "set": ["train.eval_every=0"]}))
+    path.write_text(
+        json.dumps(
+            {
+                "recipe": str(SWEEP.parent / "tiny.yaml"),
+                "examples": 2048,
+                "batch_sizes": [64, 256, 1024],
+                "schedule": [256, 1024],
+                "nonprivate_batch_size": 64,
+                "set": ["train.eval_every=0"],
+            }
+        )
+    )
     calls = []
 
     def fake_pretrain(recipe, run_dir, *, overrides, **kw):
         calls.append(list(overrides))
         private = "privacy.enabled=true" in overrides
-        return RunResult(run_dir=Path(run_dir), steps_done=1, total_steps=1, stopped_early=False,
-                         epsilon=7.99 if private else None, delta=1e-6 if private else None,
-                         eval_mlm_accuracy=0.12 if private else 0.2, eval_mlm_loss=5.0, wall_time_s=1.0,
-                         eval_unigram_accuracy=0.07, unigram_token="the")
+        return RunResult(
+            run_dir=Path(run_dir),
+            steps_done=1,
+            total_steps=1,
+            stopped_early=False,
+            epsilon=7.99 if private else None,
+            delta=1e-6 if private else None,
+            eval_mlm_accuracy=0.12 if private else 0.2,
+            eval_mlm_loss=5.0,
+            wall_time_s=1.0,
+            eval_unigram_accuracy=0.07,
+            unigram_token="the",
+        )
 
     monkeypatch.setattr(pretrain_lib, "pretrain", fake_pretrain)
     rows = sweep_lib.run_sweep(path, tmp_path / "out", log=print)
@@ -141,8 +164,17 @@ def test_run_sweep_writes_rows_table_and_figure(tmp_path, monkeypatch, capsys):
     saved = json.loads((tmp_path / "out" / "sweep.json").read_text())["arms"]
     assert saved == rows and len(rows) == 5
     for row in rows:
-        assert {"name", "expected_batch_size", "epsilon", "examples", "steps", "mlm_accuracy", "unigram_accuracy",
-                "private", "mlm_loss"} <= set(row)
+        assert {
+            "name",
+            "expected_batch_size",
+            "epsilon",
+            "examples",
+            "steps",
+            "mlm_accuracy",
+            "unigram_accuracy",
+            "private",
+            "mlm_loss",
+        } <= set(row)
     assert rows[3]["expected_batch_size"] == 1024 and rows[3]["steps"] == 4 + 1
     assert (tmp_path / "out" / "sweep.png").stat().st_size > 0
     out = capsys.readouterr().out
@@ -153,13 +185,34 @@ def test_run_sweep_writes_rows_table_and_figure(tmp_path, monkeypatch, capsys):
 
 def test_table_and_plot_from_rows(tmp_path):
     rows = [
-        {"name": f"B={b}", "expected_batch_size": b, "epsilon": 8.0, "examples": 4096, "steps": 4096 // b,
-         "mlm_accuracy": acc, "unigram_accuracy": 0.07, "private": True, "noise_multiplier": 0.6,
-         "stages": [[4096 // b, b]], "mlm_loss": 7.0 - 10 * acc}
+        {
+            "name": f"B={b}",
+            "expected_batch_size": b,
+            "epsilon": 8.0,
+            "examples": 4096,
+            "steps": 4096 // b,
+            "mlm_accuracy": acc,
+            "unigram_accuracy": 0.07,
+            "private": True,
+            "noise_multiplier": 0.6,
+            "stages": [[4096 // b, b]],
+            "mlm_loss": 7.0 - 10 * acc,
+        }
         for b, acc in ((64, 0.08), (256, 0.1), (1024, 0.12))
-    ] + [{"name": "non-private B=64", "expected_batch_size": 64, "epsilon": None, "examples": 4096, "steps": 64,
-          "mlm_accuracy": 0.2, "unigram_accuracy": 0.07, "private": False, "stages": [[64, 64]],
-          "mlm_loss": 5.0}]
+    ] + [
+        {
+            "name": "non-private B=64",
+            "expected_batch_size": 64,
+            "epsilon": None,
+            "examples": 4096,
+            "steps": 64,
+            "mlm_accuracy": 0.2,
+            "unigram_accuracy": 0.07,
+            "private": False,
+            "stages": [[64, 64]],
+            "mlm_loss": 5.0,
+        }
+    ]
     table = format_table(rows)
     assert "B=1024" in table and "+5.00" in table and "5.800" in table
     assert plot_sweep(rows, tmp_path / "s.png").stat().st_size > 0

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from dpbert.bench import RECIPE_PRESETS, MODELS
+from dpbert.bench import MODELS, RECIPE_PRESETS
 from dpbert.data.tokenizer import (
     load_tokenizer,
     public_subset_size,
@@ -21,12 +21,22 @@ from dpbert.train.pretrain import make_plan, max_predictions, recipe_reference
 from dpbert.train.recipe import load_recipe
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
-TEXT = ("The President of the United States addressed the Congress on unemployment, inflation and the "
-        "Naïve économie of 1848; 日本 too.")
+TEXT = (
+    "The President of the United States addressed the Congress on unemployment, inflation and the "
+    "Naïve économie of 1848; 日本 too."
+)
 
 
-@pytest.mark.parametrize("spec, size", [("bert-base-uncased-8k", 8192), ("public-4096", 4096),
-                                        ("bert-base-uncased", None), ("train", None), ("/some/folder", None)])
+@pytest.mark.parametrize(
+    "spec, size",
+    [
+        ("bert-base-uncased-8k", 8192),
+        ("public-4096", 4096),
+        ("bert-base-uncased", None),
+        ("train", None),
+        ("/some/folder", None),
+    ],
+)
 def test_public_subset_specs(spec, size):
     assert public_subset_size(spec) == size
 
@@ -48,7 +58,13 @@ def test_public_subset_is_a_prefix_of_bert_vocabulary_and_tokenizes_without_unk(
     assert str(folder) == resolve_tokenizer("bert-base-uncased-8k", tmp_path)
     tok, ref = load_tokenizer(folder), load_tokenizer(public_vocab_dir(tmp_path))
     assert len(tok) == 8192 and tok.is_fast
-    assert [tok.pad_token_id, tok.unk_token_id, tok.cls_token_id, tok.sep_token_id, tok.mask_token_id] == [0, 1, 2, 3, 4]
+    assert [tok.pad_token_id, tok.unk_token_id, tok.cls_token_id, tok.sep_token_id, tok.mask_token_id] == [
+        0,
+        1,
+        2,
+        3,
+        4,
+    ]
     ids = tok(TEXT)["input_ids"]
     assert ids[0] == tok.cls_token_id and ids[-1] == tok.sep_token_id
     assert tok.unk_token_id not in ids and ref.unk_token_id not in ref(TEXT)["input_ids"]
@@ -66,8 +82,10 @@ def test_default_recipe_is_private_public_and_within_its_budget():
     plan = make_plan(recipe, p.dataset_size, dataset_size_source="declared")
     assert plan.ledger.epsilon() <= p.target_epsilon
     assert plan.ledger.truncation_delta() <= 0.01 * p.delta
-    assert public_subset_size(recipe.data.tokenizer) is not None or recipe.data.tokenizer in ("public",
-                                                                                               "bert-base-uncased")
+    assert public_subset_size(recipe.data.tokenizer) is not None or recipe.data.tokenizer in (
+        "public",
+        "bert-base-uncased",
+    )
 
 
 def test_recipe_headers_state_the_nonprivate_reference():

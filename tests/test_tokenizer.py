@@ -6,6 +6,7 @@ import hashlib
 import json
 
 import pytest
+from minilm import minilm_dir
 from transformers import AutoTokenizer
 
 from dpbert.data import tokenizer as tokenizer_module
@@ -17,7 +18,6 @@ from dpbert.data.tokenizer import (
     tokenizer_fingerprint,
     train_wordpiece,
 )
-from minilm import minilm_dir
 
 CORPUS = [
     "Differential privacy bounds what any single example can reveal.",
@@ -91,7 +91,13 @@ def test_public_vocab_is_bert_base_uncased(tmp_path):
     tok = load_tokenizer(folder)
     assert len(tok) == 30522 and tok.is_fast
     assert tok("Hello world")["input_ids"] == [101, 7592, 2088, 102]
-    assert [tok.pad_token_id, tok.unk_token_id, tok.cls_token_id, tok.sep_token_id, tok.mask_token_id] == [0, 100, 101, 102, 103]
+    assert [tok.pad_token_id, tok.unk_token_id, tok.cls_token_id, tok.sep_token_id, tok.mask_token_id] == [
+        0,
+        100,
+        101,
+        102,
+        103,
+    ]
     pair = tok("privacy noise", "masked words")
     assert pair["token_type_ids"] == [0] * 4 + [1] * 3 and tok.model_max_length == 512
 
@@ -113,8 +119,11 @@ def test_packaged_vocab_is_the_one_bert_models_ship(tmp_path):
 
 def test_missing_or_altered_packaged_vocab_says_what_to_do(monkeypatch):
     monkeypatch.setattr(tokenizer_module, "PUBLIC_VOCAB_FILE", ("bert-base-uncased", "absent.txt"))
-    with pytest.raises(FileNotFoundError, match=r"absent.txt is missing \(dpbert was installed without its package "
-                       r"data\): reinstall dpbert from its source folder or wheel with pip install"):
+    with pytest.raises(
+        FileNotFoundError,
+        match=r"absent.txt is missing \(dpbert was installed without its package "
+        r"data\): reinstall dpbert from its source folder or wheel with pip install",
+    ):
         public_vocab()
     monkeypatch.undo()
     monkeypatch.setattr(tokenizer_module, "PUBLIC_VOCAB_MD5", "0" * 32)

@@ -60,9 +60,16 @@ def _rewrite(folder: Path, out: Path, *, edit=None, recipe: str | None = None) -
         from dpbert.release.metadata import document_group_epsilon, epsilon_to_json
 
         unit["document_group_epsilon"] = epsilon_to_json(
-            document_group_epsilon(ledger, unit["max_sequences_per_document"]))
-    g = Guarantee.from_ledger(scope=g.scope, data=g.data, ledger=ledger, randomness=g.randomness, unit=unit or None,
-                              noise=noise_record(ledger, coordinates=(g.noise or {}).get("coordinates")))
+            document_group_epsilon(ledger, unit["max_sequences_per_document"])
+        )
+    g = Guarantee.from_ledger(
+        scope=g.scope,
+        data=g.data,
+        ledger=ledger,
+        randomness=g.randomness,
+        unit=unit or None,
+        noise=noise_record(ledger, coordinates=(g.noise or {}).get("coordinates")),
+    )
     meta = dataclasses.replace(meta, guarantees=(g,), recipe_content=recipe or meta.recipe_content)
     return write_release(out, model=folder, meta=meta, info=INFO)
 
@@ -226,15 +233,30 @@ def test_every_shard_of_a_sharded_release_is_hashed(hf_model_dir: Path, tmp_path
 @pytest.mark.parametrize(
     ("field", "value", "message"),
     [
-        ("delta", 1e-3, "guarantees[0].ledger.delta: 0.001 >= 1/dataset_size = 1/1000 (expected delta < 1/N: a delta "
-                        "this large allows publishing an example outright)"),
-        ("privacy_unit", "one user", "guarantees[0].ledger.privacy_unit: 'one user' is not a known privacy "
-                                     "unit (expected one of ['one example sequence', 'one document'])"),
-        ("privacy_unit", "one document", "guarantees[0].ledger.max_sequences_per_document: None (expected an "
-                                         "integer >= 1: a document-level ledger states how many sequences of one "
-                                         "document a step may take)"),
-        ("accountant", "gdp", "guarantees[0].ledger.accountant: 'gdp' is not a known accountant (expected one of "
-                              "['pld', 'rdp'])"),
+        (
+            "delta",
+            1e-3,
+            "guarantees[0].ledger.delta: 0.001 >= 1/dataset_size = 1/1000 (expected delta < 1/N: a delta "
+            "this large allows publishing an example outright)",
+        ),
+        (
+            "privacy_unit",
+            "one user",
+            "guarantees[0].ledger.privacy_unit: 'one user' is not a known privacy "
+            "unit (expected one of ['one example sequence', 'one document'])",
+        ),
+        (
+            "privacy_unit",
+            "one document",
+            "guarantees[0].ledger.max_sequences_per_document: None (expected an "
+            "integer >= 1: a document-level ledger states how many sequences of one "
+            "document a step may take)",
+        ),
+        (
+            "accountant",
+            "gdp",
+            "guarantees[0].ledger.accountant: 'gdp' is not a known accountant (expected one of ['pld', 'rdp'])",
+        ),
     ],
 )
 def test_a_ledger_outside_what_dpbert_accounts_is_refused(base: Path, tmp_path: Path, field, value, message) -> None:
@@ -259,7 +281,9 @@ def _edit_front_matter(folder: Path, edit) -> None:
 def test_a_card_or_config_copy_that_disagrees_with_the_ledger_is_caught(base: Path, tmp_path: Path) -> None:
     out = shutil.copytree(base, tmp_path / "card")
     _edit_front_matter(out, lambda m: m["differential_privacy"]["guarantees"][0].update(dataset_size=10_000))
-    assert _problems(out) == (f"{out / 'README.md'}: dataset_size for 'pretraining' is 10000 but privacy.json has 1000",)
+    assert _problems(out) == (
+        f"{out / 'README.md'}: dataset_size for 'pretraining' is 10000 but privacy.json has 1000",
+    )
 
     out = shutil.copytree(base, tmp_path / "source")
     _edit_front_matter(out, lambda m: m["differential_privacy"]["guarantees"][0].update(dataset_size_source="declared"))
@@ -271,7 +295,9 @@ def test_a_card_or_config_copy_that_disagrees_with_the_ledger_is_caught(base: Pa
     config = json.loads((out / "config.json").read_text())
     config["differential_privacy"]["guarantees"][0]["accountant"] = "pld"
     (out / "config.json").write_text(json.dumps(config))
-    assert _problems(out) == (f"{out / 'config.json'}: accountant for 'pretraining' is 'pld' but privacy.json has 'rdp'",)
+    assert _problems(out) == (
+        f"{out / 'config.json'}: accountant for 'pretraining' is 'pld' but privacy.json has 'rdp'",
+    )
 
 
 def test_public_inputs_must_be_what_the_metadata_implies(base: Path, tmp_path: Path) -> None:
@@ -280,14 +306,20 @@ def test_public_inputs_must_be_what_the_metadata_implies(base: Path, tmp_path: P
     data["public_inputs"][0]["source"] = "declared"  # claims N was fixed in advance; the ledger says rounded
     (out / "privacy.json").write_text(json.dumps(data))
     (problem,) = _problems(out)
-    assert problem.startswith(f"{out / 'privacy.json'}: public_inputs: [{{'input': 'dataset_size', 'scope': "
-                              "'pretraining', 'value': 1000, 'source': 'declared'}")
-    assert "but the rest of privacy.json states [{'input': 'dataset_size', 'scope': 'pretraining', 'value': 1000, " \
-           "'source': 'rounded'}" in problem
+    assert problem.startswith(
+        f"{out / 'privacy.json'}: public_inputs: [{{'input': 'dataset_size', 'scope': "
+        "'pretraining', 'value': 1000, 'source': 'declared'}"
+    )
+    assert (
+        "but the rest of privacy.json states [{'input': 'dataset_size', 'scope': 'pretraining', 'value': 1000, "
+        "'source': 'rounded'}" in problem
+    )
 
 
 def test_unknown_randomness_fails_and_a_supplied_secret_warns(hf_model_dir: Path, tmp_path: Path, capsys) -> None:  # noqa: F811
-    out = export_run(_make_run(tmp_path / "a", hf_model_dir, ledger=plan_ledger(), randomness=None), tmp_path / "unknown")
+    out = export_run(
+        _make_run(tmp_path / "a", hf_model_dir, ledger=plan_ledger(), randomness=None), tmp_path / "unknown"
+    )
     data = json.loads((out / "privacy.json").read_text())
     assert data["guarantees"][0]["randomness"]["source"] == "unknown"
     assert read_front_matter(out / "README.md")["differential_privacy"]["guarantees"][0]["randomness"] == "unknown"
@@ -298,8 +330,9 @@ def test_unknown_randomness_fails_and_a_supplied_secret_warns(hf_model_dir: Path
         "cannot be relied on",
     )
 
-    out = export_run(_make_run(tmp_path / "b", hf_model_dir, ledger=plan_ledger(), randomness="supplied-file"),
-                     tmp_path / "supplied")
+    out = export_run(
+        _make_run(tmp_path / "b", hf_model_dir, ledger=plan_ledger(), randomness="supplied-file"), tmp_path / "supplied"
+    )
     result = verify_folder(out)
     assert result.ok and result.status == "private", result.summary()
     assert result.warnings == (
@@ -317,7 +350,9 @@ def test_a_vocabulary_from_the_private_corpus_makes_the_dp_tags_a_failure(hf_mod
     assert not {"differential-privacy", "dp-sgd"} & set(matter["tags"])
     assert {"non-private", "non-private-vocabulary"} <= set(matter["tags"])
     assert matter["differential_privacy"]["vocabulary"]["learned_from_private_data"] is True
-    assert "the release is NOT\ndifferentially private with respect to its vocabulary" in (out / "README.md").read_text()
+    assert (
+        "the release is NOT\ndifferentially private with respect to its vocabulary" in (out / "README.md").read_text()
+    )
     result = verify_folder(out)
     assert result.ok and result.status == "private (except its vocabulary)", result.summary()
     assert "vocabulary: learned from the private corpus without privacy" in result.summary()
@@ -362,8 +397,12 @@ def finetuned(base: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     meta = ReleaseMetadata(
         guarantees=(
             *guarantees_from_json(source, "source"),
-            Guarantee.from_ledger(scope="fine-tuning (sst2)", data="GLUE SST-2 training set (800 examples)",
-                                  ledger=plan.ledger.to_dict(), randomness={"source": "os-csprng"}),
+            Guarantee.from_ledger(
+                scope="fine-tuning (sst2)",
+                data="GLUE SST-2 training set (800 examples)",
+                ledger=plan.ledger.to_dict(),
+                randomness={"source": "os-csprng"},
+            ),
         ),
         vocabulary_origin=source["vocabulary"]["origin"],
         vocabulary_covered=True,
@@ -394,9 +433,13 @@ def test_a_fine_tuning_ledger_that_its_config_does_not_give_is_caught(finetuned:
     ledger = copy.deepcopy(dict(task.ledger))
     sigma = ledger["stages"][0]["noise_multiplier"]
     ledger["stages"][0]["noise_multiplier"] = 2 * sigma
-    edited = dataclasses.replace(meta, guarantees=(
-        pretraining, Guarantee.from_ledger(scope=task.scope, data=task.data, ledger=ledger, randomness=task.randomness),
-    ))
+    edited = dataclasses.replace(
+        meta,
+        guarantees=(
+            pretraining,
+            Guarantee.from_ledger(scope=task.scope, data=task.data, ledger=ledger, randomness=task.randomness),
+        ),
+    )
     info = dataclasses.replace(INFO, template="bert_glue.md.j2", pipeline_tag="text-classification")
     out = write_release(tmp_path / "r", model=finetuned, meta=edited, info=info)
     assert _problems(out) == (
@@ -409,7 +452,8 @@ def test_a_fine_tuning_ledger_that_its_config_does_not_give_is_caught(finetuned:
 
 
 def test_the_token_store_counts_sequences_per_document_and_the_card_states_them(
-    hf_model_dir: Path, tmp_path: Path  # noqa: F811
+    hf_model_dir: Path,  # noqa: F811
+    tmp_path: Path,
 ) -> None:
     from dpbert.data.store import prepare_store, read_manifest
 
@@ -433,22 +477,37 @@ def test_the_token_store_counts_sequences_per_document_and_the_card_states_them(
 
     ledger = json.loads((out / "privacy.json").read_text())["guarantees"][0]["ledger"]
     whole = group_epsilon(PrivacyLedger.from_dict(ledger), 4)  # the largest document: 4 sequences
-    assert unit == {"sequence_tokens": 16, "documents": 5, "max_sequences_per_document": 4,
-                    "mean_sequences_per_document": pytest.approx(2.2), "document_group_epsilon": whole}
-    assert ("| privacy unit | one sequence of 16 tokens; a document of this corpus has up to 4 sequences "
-            f"(mean 2.2); a whole document of 4 sequences is protected only at epsilon = {whole:.4g} (group "
-            "privacy, computed by dp_accounting as a mixture of Gaussians, same delta) |") in (out / "README.md").read_text()
+    assert unit == {
+        "sequence_tokens": 16,
+        "documents": 5,
+        "max_sequences_per_document": 4,
+        "mean_sequences_per_document": pytest.approx(2.2),
+        "document_group_epsilon": whole,
+    }
+    assert (
+        "| privacy unit | one sequence of 16 tokens; a document of this corpus has up to 4 sequences "
+        f"(mean 2.2); a whole document of 4 sequences is protected only at epsilon = {whole:.4g} (group "
+        "privacy, computed by dp_accounting as a mixture of Gaussians, same delta) |"
+    ) in (out / "README.md").read_text()
     assert verify_folder(out).ok
     # A stated group privacy that is not the accountant's is caught.
     data = json.loads((out / "privacy.json").read_text())
     data["guarantees"][0]["unit"]["document_group_epsilon"] = whole / 2
     (out / "privacy.json").write_text(json.dumps(data))
-    assert any("unit.document_group_epsilon" in p and "group privacy for 4 sequences gives" in p
-               for p in verify_folder(out).problems)
+    assert any(
+        "unit.document_group_epsilon" in p and "group privacy for 4 sequences gives" in p
+        for p in verify_folder(out).problems
+    )
 
     # A store written before these counts: the card says they are unknown.
-    run2 = _make_run(tmp_path / "old", hf_model_dir, ledger=plan_ledger(),
-                     split={"file": "train.bin", "num_examples": 1000, "num_documents": 400, "num_tokens": 25000})
+    run2 = _make_run(
+        tmp_path / "old",
+        hf_model_dir,
+        ledger=plan_ledger(),
+        split={"file": "train.bin", "num_examples": 1000, "num_documents": 400, "num_tokens": 25000},
+    )
     out2 = export_run(run2, tmp_path / "old_release")
-    assert ("one sequence of 32 tokens; how many sequences a document of this corpus contributes is unknown"
-            in (out2 / "README.md").read_text())
+    assert (
+        "one sequence of 32 tokens; how many sequences a document of this corpus contributes is unknown"
+        in (out2 / "README.md").read_text()
+    )

@@ -36,17 +36,36 @@ def write_recipe(root: Path, *, checkpoint_every: int = 2) -> Path:
     corpus.mkdir()
     for d in range(40):
         (corpus / f"doc{d:02d}.txt").write_text(
-            " ".join(rng.choice(PHRASES).format(w=rng.choice(SLOTS)) for _ in range(8)))
+            " ".join(rng.choice(PHRASES).format(w=rng.choice(SLOTS)) for _ in range(8))
+        )
     recipe: dict[str, Any] = {
         "model": {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2, "intermediate_size": 64},
-        "data": {"corpus": str(corpus), "store": str(root / "store"), "tokenizer": "train", "train_vocab_size": 200,
-                 "seq_len": 32, "eval_fraction": 0.1, "num_proc": 1},
+        "data": {
+            "corpus": str(corpus),
+            "store": str(root / "store"),
+            "tokenizer": "train",
+            "train_vocab_size": 200,
+            "seq_len": 32,
+            "eval_fraction": 0.1,
+            "num_proc": 1,
+        },
         "schedule": [{"steps": 2, "expected_batch_size": 8}],
-        "privacy": {"enabled": True, "clip_norm": 1.0, "delta": 1.0e-3, "accountant": "rdp",
-                    "noise_multiplier": 1.0, "target_epsilon": 30.0},
+        "privacy": {
+            "enabled": True,
+            "clip_norm": 1.0,
+            "delta": 1.0e-3,
+            "accountant": "rdp",
+            "noise_multiplier": 1.0,
+            "target_epsilon": 30.0,
+        },
         "optimizer": {"learning_rate": 1.0e-2, "warmup_steps": 0},
-        "train": {"microbatch_size": 2, "checkpoint_every": checkpoint_every, "eval_every": 0, "eval_batches": 1,
-                  "eval_batch_size": 16},
+        "train": {
+            "microbatch_size": 2,
+            "checkpoint_every": checkpoint_every,
+            "eval_every": 0,
+            "eval_batches": 1,
+            "eval_batch_size": 16,
+        },
     }
     path = root / "recipe.yaml"
     path.write_text(yaml.safe_dump(recipe))

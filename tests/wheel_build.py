@@ -22,8 +22,20 @@ def build_wheel(tmp_path: Path) -> Path:
             shutil.copytree(ROOT / name, source / name, ignore=shutil.ignore_patterns("__pycache__"))
         else:
             shutil.copy2(ROOT / name, source / name)
-    command = [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-index", "--no-build-isolation",
-               "--disable-pip-version-check", "-q", "-w", str(tmp_path / "wheels"), str(source)]
+    command = [
+        sys.executable,
+        "-m",
+        "pip",
+        "wheel",
+        "--no-deps",
+        "--no-index",
+        "--no-build-isolation",
+        "--disable-pip-version-check",
+        "-q",
+        "-w",
+        str(tmp_path / "wheels"),
+        str(source),
+    ]
     done = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True)
     assert done.returncode == 0, f"pip wheel exited {done.returncode}:\n{done.stdout}\n{done.stderr}"
     (wheel,) = (tmp_path / "wheels").glob("dpbert-*.whl")

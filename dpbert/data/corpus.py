@@ -162,7 +162,9 @@ class Corpus:
         for row in rows:
             text = row[self.text_field]
             if not isinstance(text, str):
-                raise ValueError(f"corpus {self.spec!r}: field {self.text_field!r} holds {type(text).__name__}, expected str")
+                raise ValueError(
+                    f"corpus {self.spec!r}: field {self.text_field!r} holds {type(text).__name__}, expected str"
+                )
             yield text
 
 

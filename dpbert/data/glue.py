@@ -325,7 +325,9 @@ def load_records(task: GlueTask, paths: Sequence[str | os.PathLike[str]], split:
                 where = f"{path}: row {row_no}"
                 absent = [c for c in wanted if c not in record]
                 if absent:
-                    raise ValueError(f"{where}: no column {absent[0]!r} (found {sorted(record)}); {task.name} needs {list(wanted)}")
+                    raise ValueError(
+                        f"{where}: no column {absent[0]!r} (found {sorted(record)}); {task.name} needs {list(wanted)}"
+                    )
                 yield [str(record[c]) for c in task.text_columns], record["label"], where
 
     return _make_split(task, split, rows(), ", ".join(str(p) for p in paths))
@@ -413,7 +415,9 @@ def find_tasks(glue_root: str | os.PathLike[str]) -> dict[str, Path]:
                 found[name] = folder
                 break
     if not found:
-        raise FileNotFoundError(f"{root}: no GLUE task folders with training data (CoLA/train.tsv, SST-2/train.tsv, ...)")
+        raise FileNotFoundError(
+            f"{root}: no GLUE task folders with training data (CoLA/train.tsv, SST-2/train.tsv, ...)"
+        )
     return found
 
 

@@ -44,7 +44,7 @@ def metric_script() -> Path:
     return Path(_STACK.enter_context(importlib.resources.as_file(resource)))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def load_glue_metric(config_name: str) -> Any:
     """`evaluate.load(metric_script(), config_name)`: the GLUE metric of one config, loaded offline
     (kept in memory: no cache files are written when it computes). KeyError for an unknown config."""
@@ -61,7 +61,9 @@ def compute_metrics(task: GlueTask, predictions: np.ndarray, references: np.ndar
     preds = np.asarray(predictions)
     refs = np.asarray(references)
     if preds.shape != refs.shape or preds.ndim != 1 or len(preds) == 0:
-        raise ValueError(f"predictions: expected a non-empty 1-D array shaped like references {refs.shape}, got {preds.shape}")
+        raise ValueError(
+            f"predictions: expected a non-empty 1-D array shaped like references {refs.shape}, got {preds.shape}"
+        )
     if not task.is_regression and not np.array_equal(preds, np.round(preds)):
         raise ValueError(f"predictions: expected class ids (integers) for {task.name}, got {preds[:5]!r}...")
     dtype = np.float32 if task.is_regression else np.int64

@@ -274,7 +274,13 @@ class TokenStore:
                 "DP; prepare it again (delete the folder, or point data.store at a new one)"
             )
         offsets = np.load(file)
-        if offsets.ndim != 1 or offsets.size < 1 or offsets[0] != 0 or offsets[-1] != len(self) or np.any(np.diff(offsets) < 0):
+        if (
+            offsets.ndim != 1
+            or offsets.size < 1
+            or offsets[0] != 0
+            or offsets[-1] != len(self)
+            or np.any(np.diff(offsets) < 0)
+        ):
             raise ValueError(f"token store file {file} is corrupted: not offsets 0 .. {len(self)} of this split's rows")
         return offsets.astype(np.int64)
 
@@ -442,8 +448,11 @@ def prepare(
     dtype = np.dtype("<u2") if vocab_size <= 1 << 16 else np.dtype("<i4")
     is_eval = _eval_assigner(corpus, eval_fraction, seed)
     packer_args = dict(
-        tokenizer_json=tokenizer.backend_tokenizer.to_str(), seq_len=seq_len,
-        cls_id=special["cls_id"], sep_id=special["sep_id"], pad_id=special["pad_id"],
+        tokenizer_json=tokenizer.backend_tokenizer.to_str(),
+        seq_len=seq_len,
+        cls_id=special["cls_id"],
+        sep_id=special["sep_id"],
+        pad_id=special["pad_id"],
     )
     covered = not vocab_origin.startswith("trained on")
 
@@ -465,7 +474,7 @@ def prepare(
         contributing = dict.fromkeys(SPLITS, 0)
         corpus_hash = hashlib.sha256()
         seen_documents = 0
-        files = {split: open(partial / f"{split}.bin", "wb") for split in SPLITS}
+        files = {split: open(partial / f"{split}.bin", "wb") for split in SPLITS}  # noqa: SIM115 (closed below)
         try:
             for indices, texts, packed in _packed_chunks(_chunks(corpus.indexed_documents()), packer_args, num_proc):
                 for index, text, examples in zip(indices, texts, packed, strict=True):
@@ -631,18 +640,37 @@ def prepare_store(
         # Learn the vocabulary from train documents only: the eval split stays unseen.
         is_eval = _eval_assigner(corpus_obj, eval_fraction, seed)
         train_texts = (text for index, text in corpus_obj.indexed_documents() if not is_eval(index))
-        with tempfile.TemporaryDirectory(prefix=".dpbert-vocab-", dir=out.parent if out.parent.exists() else None) as tmp:
+        with tempfile.TemporaryDirectory(
+            prefix=".dpbert-vocab-", dir=out.parent if out.parent.exists() else None
+        ) as tmp:
             tok = train_wordpiece(train_texts, vocab_size=train_vocab_size, out_dir=tmp)
             return prepare(
-                corpus_obj, tok, out, seq_len=seq_len, eval_fraction=eval_fraction, seed=seed, num_proc=num_proc,
+                corpus_obj,
+                tok,
+                out,
+                seq_len=seq_len,
+                eval_fraction=eval_fraction,
+                seed=seed,
+                num_proc=num_proc,
                 tokenizer_source=f"WordPiece trained on {corpus} (vocab {train_vocab_size})",
-                vocab_origin=f"trained on {corpus}", request=request, overwrite=overwrite,
+                vocab_origin=f"trained on {corpus}",
+                request=request,
+                overwrite=overwrite,
             )
     source = "bert-base-uncased (packaged public vocabulary)" if tokenizer_kind == "public" else tokenizer_kind
     origin = "public" if tokenizer_kind == "public" else _folder_vocab_origin(Path(tokenizer_kind))
     return prepare(
-        corpus_obj, tok, out, seq_len=seq_len, eval_fraction=eval_fraction, seed=seed, num_proc=num_proc,
-        tokenizer_source=source, vocab_origin=origin, request=request, overwrite=overwrite,
+        corpus_obj,
+        tok,
+        out,
+        seq_len=seq_len,
+        eval_fraction=eval_fraction,
+        seed=seed,
+        num_proc=num_proc,
+        tokenizer_source=source,
+        vocab_origin=origin,
+        request=request,
+        overwrite=overwrite,
     )
 
 
@@ -653,15 +681,29 @@ def prepare_main(args: Any) -> int:
 
     start = time.perf_counter()
     manifest = prepare_store(
-        args.out, corpus=args.corpus, tokenizer=resolve_tokenizer(args.tokenizer), seq_len=args.seq_len,
-        eval_fraction=args.eval_fraction, seed=args.seed, train_vocab_size=args.train_vocab_size,
-        num_proc=args.num_proc, text_field=args.text_field, overwrite=args.overwrite,
+        args.out,
+        corpus=args.corpus,
+        tokenizer=resolve_tokenizer(args.tokenizer),
+        seq_len=args.seq_len,
+        eval_fraction=args.eval_fraction,
+        seed=args.seed,
+        train_vocab_size=args.train_vocab_size,
+        num_proc=args.num_proc,
+        text_field=args.text_field,
+        overwrite=args.overwrite,
     )
     train, held = manifest.splits["train"], manifest.splits["eval"]
     print(f"token store {args.out} ({time.perf_counter() - start:.1f} s)")
     print(f"  source     {manifest.source}")
-    print(f"  tokenizer  {manifest.tokenizer_source}, vocab {manifest.vocab_size}, fingerprint {manifest.tokenizer_fingerprint[:16]}")
-    print(f"  vocabulary {manifest.vocab_origin}" + ("" if manifest.vocab_covered_by_dp_guarantee else " (NOT covered by the DP guarantee)"))
-    print(f"  train      {train.num_examples} examples x {manifest.seq_len} tokens from {train.num_documents} documents")
+    print(
+        f"  tokenizer  {manifest.tokenizer_source}, vocab {manifest.vocab_size}, fingerprint {manifest.tokenizer_fingerprint[:16]}"
+    )
+    print(
+        f"  vocabulary {manifest.vocab_origin}"
+        + ("" if manifest.vocab_covered_by_dp_guarantee else " (NOT covered by the DP guarantee)")
+    )
+    print(
+        f"  train      {train.num_examples} examples x {manifest.seq_len} tokens from {train.num_documents} documents"
+    )
     print(f"  eval       {held.num_examples} examples x {manifest.seq_len} tokens from {held.num_documents} documents")
     return 0

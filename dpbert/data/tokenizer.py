@@ -201,8 +201,10 @@ def public_vocab_subset(size: int) -> list[str]:
     chars = [t for t in tokens if len(t) == 1 or (len(t) == 3 and t.startswith("##"))]
     head = list(SPECIAL_TOKENS) + chars
     if size < len(head):
-        raise ValueError(f"vocabulary size {size}: a public subset needs at least {len(head)} tokens "
-                         "(special tokens and every character)")
+        raise ValueError(
+            f"vocabulary size {size}: a public subset needs at least {len(head)} tokens "
+            "(special tokens and every character)"
+        )
     taken = set(head)
     words = [t for t in tokens if t not in taken and not (t.startswith("[unused") and t.endswith("]"))]
     if size > len(head) + len(words):

@@ -162,8 +162,7 @@ class FillMaskModel:
         vocab_size = int(model.config.vocab_size)
         if len(tokenizer) > vocab_size:
             raise ValueError(
-                f"model {name!r}: tokenizer has {len(tokenizer)} tokens but the model's "
-                f"vocab_size is {vocab_size}"
+                f"model {name!r}: tokenizer has {len(tokenizer)} tokens but the model's vocab_size is {vocab_size}"
             )
         self.name = name
         self.tokenizer = tokenizer
@@ -220,9 +219,7 @@ class FillMaskModel:
         positions = [i for i, t in enumerate(ids) if t == self.tokenizer.mask_token_id]
         if not positions:
             also = "" if mask_token == MASK else f" (or {mask_token})"
-            raise FillMaskInputError(
-                f"No {MASK}{also} in the sentence: put {MASK} where the model should fill a word."
-            )
+            raise FillMaskInputError(f"No {MASK}{also} in the sentence: put {MASK} where the model should fill a word.")
         if len(positions) > MAX_MASKS:
             raise FillMaskInputError(
                 f"Too many masks: {len(positions)} {MASK} tokens, at most {MAX_MASKS} per sentence."
@@ -247,9 +244,7 @@ class FillMaskModel:
         # Unused mask slots point at [CLS]; their rows are computed and dropped.
         padded_positions = np.zeros((1, MAX_MASKS), dtype=np.int32)
         padded_positions[0, : len(positions)] = positions
-        probs, token_ids = jax.device_get(
-            self._top_k(self._params, input_ids, attention_mask, padded_positions)
-        )
+        probs, token_ids = jax.device_get(self._top_k(self._params, input_ids, attention_mask, padded_positions))
         masks = tuple(
             tuple(
                 TokenScore(token=self._token(int(t)), token_id=int(t), score=float(p))
@@ -266,9 +261,7 @@ class FillMaskModel:
         """Compile the smallest length bucket now, so the first visitor does not wait for it."""
         length = self.buckets[0]
         ids = np.zeros((1, length), dtype=np.int32)
-        jax.block_until_ready(
-            self._top_k(self._params, ids, np.ones_like(ids), np.zeros((1, MAX_MASKS), np.int32))
-        )
+        jax.block_until_ready(self._top_k(self._params, ids, np.ones_like(ids), np.zeros((1, MAX_MASKS), np.int32)))
 
     def _token(self, token_id: int) -> str:
         # Models may pad the output vocabulary past the tokenizer's; name those ids plainly.

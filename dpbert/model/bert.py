@@ -439,8 +439,15 @@ def _attention_mask(attention_mask: jax.Array | None) -> jax.Array | None:
 class BertModel(_PretrainedMixin, nnx.Module):
     """The BERT encoder (embeddings, encoder, optional pooler); Hugging Face names without prefix."""
 
-    def __init__(self, config: BertConfig, *, rngs: nnx.Rngs, dtype: Any = jnp.float32, add_pooling_layer: bool = True,
-                 remat: bool = False):
+    def __init__(
+        self,
+        config: BertConfig,
+        *,
+        rngs: nnx.Rngs,
+        dtype: Any = jnp.float32,
+        add_pooling_layer: bool = True,
+        remat: bool = False,
+    ):
         self._set_config(config)
         self.embeddings = BertEmbeddings(config, rngs=rngs, dtype=dtype)
         self.encoder = BertEncoder(config, rngs=rngs, dtype=dtype, remat=remat)
@@ -470,8 +477,7 @@ class BertModel(_PretrainedMixin, nnx.Module):
         x = self.embeddings(input_ids, jnp.asarray(token_type_ids), _fold(dropout_rng, _SITE_EMBEDDINGS))
         x, states = self.encoder(x, mask, dropout_rng, output_hidden_states=output_hidden_states)
         pooled = None if self.pooler is None else self.pooler(x)
-        return BaseModelOutput(
-            last_hidden_state=x, pooler_output=pooled, hidden_states=states)
+        return BaseModelOutput(last_hidden_state=x, pooler_output=pooled, hidden_states=states)
 
 
 class BertPredictionHeadTransform(nnx.Module):

@@ -99,7 +99,7 @@ def _read_safetensors(path: Path) -> dict[str, np.ndarray]:
 
     # The flax framework reads bfloat16/float16 checkpoints too (numpy has no bfloat16).
     with safe_open(str(path), framework="flax") as f:
-        return {key: np.asarray(f.get_tensor(key), dtype=np.float32) for key in f.keys()}
+        return {key: np.asarray(f.get_tensor(key), dtype=np.float32) for key in f.keys()}  # noqa: SIM118 (safe_open is no dict)
 
 
 def _read_torch_bin(path: Path) -> dict[str, np.ndarray]:
@@ -245,7 +245,10 @@ def load_hf_state(model: nnx.Module, state: Mapping[str, np.ndarray], source: st
         else:
             values.setdefault(path, {})[row] = value
     updates = [
-        (path, variables[path].replace(jnp.asarray(v if not isinstance(v, dict) else np.stack([v[i] for i in sorted(v)]))))
+        (
+            path,
+            variables[path].replace(jnp.asarray(v if not isinstance(v, dict) else np.stack([v[i] for i in sorted(v)]))),
+        )
         for path, v in values.items()
     ]
     nnx.update(model, nnx.from_flat_state(updates))

@@ -60,6 +60,8 @@ def round_down_significant(n: int, digits: int = 2) -> int:
     _check_dataset_size(n)
     unit = 10 ** max(len(str(n)) - digits, 0)
     return n // unit * unit
+
+
 # PLD value discretization: 1e-4 keeps epsilon within ~1e-3 of the exact value for the
 # schedules we run, at well under a second per stage.
 PLD_DISCRETIZATION = 1e-4
@@ -111,9 +113,7 @@ def stage_event(stage: Stage, dataset_size: int) -> dp_accounting.DpEvent:
 
 def schedule_event(schedule: BatchSchedule, dataset_size: int) -> dp_accounting.DpEvent:
     """The DpEvent of a whole schedule: its stages composed in order."""
-    return dp_accounting.ComposedDpEvent(
-        events=[stage_event(s, dataset_size) for s in schedule.stages]
-    )
+    return dp_accounting.ComposedDpEvent(events=[stage_event(s, dataset_size) for s in schedule.stages])
 
 
 def make_accountant(
@@ -214,8 +214,10 @@ def calibrate_noise_multiplier(
     share being the largest whose composition still meets the target (within about 1%).
     Either way the schedule's epsilon, recomputed, is <= target_epsilon.
     """
-    if isinstance(target_epsilon, bool) or not isinstance(target_epsilon, int | float) or not (
-        target_epsilon > 0 and math.isfinite(target_epsilon)
+    if (
+        isinstance(target_epsilon, bool)
+        or not isinstance(target_epsilon, int | float)
+        or not (target_epsilon > 0 and math.isfinite(target_epsilon))
     ):
         raise ValueError(f"target_epsilon must be a finite number > 0, got {target_epsilon!r}")
     _check_delta(delta)
@@ -240,9 +242,7 @@ def calibrate_noise_multiplier(
         return epsilon(schedule.with_noise_multipliers([sigma] * n_stages), discretization)
 
     if not per_stage or n_stages == 1:
-        return schedule.with_noise_multipliers(
-            [_smallest_noise(shared, target_epsilon, rtol)] * n_stages
-        )
+        return schedule.with_noise_multipliers([_smallest_noise(shared, target_epsilon, rtol)] * n_stages)
 
     guesses = [1.0] * n_stages
 
@@ -300,8 +300,7 @@ class LedgerStage:
         if not 0 < self.sampling_rate <= 1:
             raise ValueError(f"sampling_rate must be in (0, 1], got {self.sampling_rate!r}")
         if self.physical_batch_size is not None and (
-            not isinstance(self.physical_batch_size, int)
-            or self.physical_batch_size < self.expected_batch_size
+            not isinstance(self.physical_batch_size, int) or self.physical_batch_size < self.expected_batch_size
         ):
             raise ValueError(
                 "physical_batch_size must be None or an integer >= expected_batch_size "
@@ -355,23 +354,25 @@ class PrivacyLedger:
             raise ValueError(f"clip_norm must be > 0, got {self.clip_norm!r}")
         if self.sampling != SAMPLING:
             raise ValueError(
-                f"sampling must be {SAMPLING!r} (the only method the accountant models), "
-                f"got {self.sampling!r}"
+                f"sampling must be {SAMPLING!r} (the only method the accountant models), got {self.sampling!r}"
             )
         if self.privacy_unit not in PRIVACY_UNITS:
             raise ValueError(f"privacy_unit must be one of {list(PRIVACY_UNITS)}, got {self.privacy_unit!r}")
         cap = self.max_sequences_per_document
         if self.privacy_unit == DOCUMENT_UNIT:
             if isinstance(cap, bool) or not isinstance(cap, int) or cap < 1:
-                raise ValueError(f"max_sequences_per_document must be an integer >= 1 for privacy_unit "
-                                 f"{DOCUMENT_UNIT!r}, got {cap!r}")
+                raise ValueError(
+                    f"max_sequences_per_document must be an integer >= 1 for privacy_unit "
+                    f"{DOCUMENT_UNIT!r}, got {cap!r}"
+                )
         elif cap is not None:
-            raise ValueError(f"max_sequences_per_document is for privacy_unit {DOCUMENT_UNIT!r} only, got {cap!r} "
-                             f"with {self.privacy_unit!r}")
+            raise ValueError(
+                f"max_sequences_per_document is for privacy_unit {DOCUMENT_UNIT!r} only, got {cap!r} "
+                f"with {self.privacy_unit!r}"
+            )
         if self.neighboring_relation != NEIGHBORING_RELATION:
             raise ValueError(
-                f"neighboring_relation must be {NEIGHBORING_RELATION!r}, "
-                f"got {self.neighboring_relation!r}"
+                f"neighboring_relation must be {NEIGHBORING_RELATION!r}, got {self.neighboring_relation!r}"
             )
         if self.target_epsilon is not None and not self.target_epsilon > 0:
             raise ValueError(f"target_epsilon must be None or > 0, got {self.target_epsilon!r}")
@@ -402,8 +403,7 @@ class PrivacyLedger:
         physical = physical_batch_sizes or [None] * len(schedule.stages)
         if len(physical) != len(schedule.stages):
             raise ValueError(
-                f"physical_batch_sizes must have one entry per stage ({len(schedule.stages)}), "
-                f"got {len(physical)}"
+                f"physical_batch_sizes must have one entry per stage ({len(schedule.stages)}), got {len(physical)}"
             )
         stages = tuple(
             LedgerStage(
@@ -445,9 +445,7 @@ class PrivacyLedger:
         schedule = self.schedule
         if schedule is None:
             return 0.0
-        return compute_epsilon(
-            schedule, dataset_size=self.dataset_size, delta=self.delta, accountant=self.accountant
-        )
+        return compute_epsilon(schedule, dataset_size=self.dataset_size, delta=self.delta, accountant=self.accountant)
 
     def stage_epsilons(self) -> list[float]:
         """Epsilon of each stage alone at `delta` (a breakdown; they do not add up)."""
@@ -488,10 +486,7 @@ class PrivacyLedger:
         stages = [] if kept is None else list(kept.stages)
         return dataclasses.replace(
             self,
-            stages=tuple(
-                dataclasses.replace(ls, steps=k.steps)
-                for ls, k in zip(self.stages, stages, strict=False)
-            ),
+            stages=tuple(dataclasses.replace(ls, steps=k.steps) for ls, k in zip(self.stages, stages, strict=False)),
         )
 
     def extended(self, stages: Sequence[LedgerStage]) -> PrivacyLedger:
@@ -592,8 +587,12 @@ def group_epsilon(ledger: PrivacyLedger, group_size: int) -> float:
         j = list(range(top + 1))
         probs = [float(p) for p in binom.pmf(j, group_size, s.sampling_rate)]
         probs[-1] += float(binom.sf(top, group_size, s.sampling_rate))  # the tail, moved to j = top
-        events.append((dp_accounting.dp_event.MixtureOfGaussiansDpEvent(
-            s.noise_multiplier, [float(x) for x in j], probs), s.steps))
+        events.append(
+            (
+                dp_accounting.dp_event.MixtureOfGaussiansDpEvent(s.noise_multiplier, [float(x) for x in j], probs),
+                s.steps,
+            )
+        )
 
     def epsilon(discretization: float) -> float:
         accountant = pld_privacy_accountant.PLDAccountant(value_discretization_interval=discretization)

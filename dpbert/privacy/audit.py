@@ -49,9 +49,7 @@ _EPSILON_SEARCH_MAX = 100.0
 _BISECTION_STEPS = 40
 
 
-def correct_guesses(
-    scores: np.ndarray, included: np.ndarray, *, k_plus: int, k_minus: int
-) -> int:
+def correct_guesses(scores: np.ndarray, included: np.ndarray, *, k_plus: int, k_minus: int) -> int:
     """Number of correct guesses when guessing "in" for the `k_plus` highest scores and
     "out" for the `k_minus` lowest (ties broken by canary index, which is independent of
     inclusion)."""
@@ -68,9 +66,7 @@ def correct_guesses(
     return int(included[highest].sum() + (~included[lowest]).sum())
 
 
-def p_value(
-    *, num_canaries: int, num_guesses: int, num_correct: int, epsilon: float, delta: float
-) -> float:
+def p_value(*, num_canaries: int, num_guesses: int, num_correct: int, epsilon: float, delta: float) -> float:
     """Upper bound on P[at least `num_correct` correct out of `num_guesses`] under
     (epsilon, delta)-DP with `num_canaries` canaries (Theorem 3 of Steinke et al.)."""
     m, r, v = num_canaries, num_guesses, num_correct
@@ -344,15 +340,21 @@ def empirical_figures(
     included = np.asarray(included, dtype=bool)
     if included.all() or not included.any():  # a fair coin per canary: rare unless m is tiny
         note = "every canary was on the same side (all in or all out): no ROC curve"
-        return {"auroc": None, "tpr_at_fpr": None, "jax_privacy": {"available": False, "note": note},
-                "empirical": EMPIRICAL}
+        return {
+            "auroc": None,
+            "tpr_at_fpr": None,
+            "jax_privacy": {"available": False, "note": note},
+            "empirical": EMPIRICAL,
+        }
     tprs = tpr_at_fpr(scores, included, fprs)
     jp: dict[str, object]
     if crosscheck.jax_privacy_version() is None:
         jp = {"available": False, "note": crosscheck.MISSING}
     else:
-        jp = {"available": True, **crosscheck.jax_privacy_audit_figures(
-            scores, included, delta=delta, confidence=confidence, fprs=fprs)}
+        jp = {
+            "available": True,
+            **crosscheck.jax_privacy_audit_figures(scores, included, delta=delta, confidence=confidence, fprs=fprs),
+        }
     return {
         "auroc": auroc(scores, included),
         "tpr_at_fpr": [{"fpr": float(f), "tpr": float(t)} for f, t in zip(fprs, tprs, strict=True)],

@@ -141,9 +141,7 @@ def run_gradient_canary_audit(config: GradientCanaryConfig) -> CanaryAuditResult
         schedule = calibrate_noise_multiplier(
             schedule, dataset_size=n, target_epsilon=c.target_epsilon, delta=c.delta, accountant=c.accountant
         )
-    physical = [
-        physical_batch_size(s.expected_batch_size, n, multiple=c.microbatch_size) for s in schedule.stages
-    ]
+    physical = [physical_batch_size(s.expected_batch_size, n, multiple=c.microbatch_size) for s in schedule.stages]
     ledger = PrivacyLedger.for_schedule(
         schedule,
         dataset_size=n,
@@ -195,8 +193,8 @@ def run_gradient_canary_audit(config: GradientCanaryConfig) -> CanaryAuditResult
                 y = noisy_sum / (sigma * c.clip_norm)
                 # A member adds its clipped gradient min(g, C) to its coordinate: mean mu in y's units.
                 mu = min(g, c.clip_norm) / (sigma * c.clip_norm)
-                scores += np.logaddexp(np.log1p(-q), math.log(q) + mu * y - mu * mu / 2) if q < 1 else (
-                    mu * y - mu * mu / 2
+                scores += (
+                    np.logaddexp(np.log1p(-q), math.log(q) + mu * y - mu * mu / 2) if q < 1 else (mu * y - mu * mu / 2)
                 )
             else:
                 scores += noisy_sum

@@ -56,15 +56,12 @@ def _check_batch(batch: Any, is_padding: jax.Array, microbatch_size: int) -> int
     for leaf in jax.tree_util.tree_leaves(batch):
         if leaf.shape[:1] != (size,):
             raise ValueError(
-                f"every batch leaf must have leading dimension {size} (is_padding's length), "
-                f"got shape {leaf.shape}"
+                f"every batch leaf must have leading dimension {size} (is_padding's length), got shape {leaf.shape}"
             )
     if isinstance(microbatch_size, bool) or not isinstance(microbatch_size, int) or microbatch_size < 1:
         raise ValueError(f"microbatch_size must be an integer >= 1, got {microbatch_size!r}")
     if size % microbatch_size:
-        raise ValueError(
-            f"batch size {size} must be a multiple of microbatch_size={microbatch_size}"
-        )
+        raise ValueError(f"batch size {size} must be a multiple of microbatch_size={microbatch_size}")
     return size // microbatch_size
 
 

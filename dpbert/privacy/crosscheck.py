@@ -107,8 +107,12 @@ def jax_privacy_epsilon(ledger: PrivacyLedger | Mapping[str, Any]) -> float:
     return float(accountant.compute_epsilon(ledger.total_steps, jax_privacy_params(ledger)))
 
 
-def jax_privacy_user_level_epsilon(ledger: PrivacyLedger | Mapping[str, Any], group_size: int | None = None,
-                                   *, discretization: float = PLD_DISCRETIZATION) -> float:
+def jax_privacy_user_level_epsilon(
+    ledger: PrivacyLedger | Mapping[str, Any],
+    group_size: int | None = None,
+    *,
+    discretization: float = PLD_DISCRETIZATION,
+) -> float:
     """Epsilon at the ledger's delta from jax-privacy's `DpsgdTrainingUserLevelAccountant` (PLD at
     `discretization`): of one document for a document-level ledger (`group_size` None), of a group of
     `group_size` sequences for a sequence-level one (see the module docstring)."""
@@ -118,8 +122,10 @@ def jax_privacy_user_level_epsilon(ledger: PrivacyLedger | Mapping[str, Any], gr
     if not isinstance(ledger, PrivacyLedger):
         ledger = PrivacyLedger.from_dict(ledger)
     if ledger.is_document_level == (group_size is not None):
-        raise ValueError("group_size: give it for a sequence-level ledger (a group of sequences) and only then; "
-                         "a document-level ledger's unit is already one document")
+        raise ValueError(
+            "group_size: give it for a sequence-level ledger (a group of sequences) and only then; "
+            "a document-level ledger's unit is already one document"
+        )
     if any(s.noise_multiplier == 0 for s in ledger.stages):
         return math.inf
     params = jax_privacy_params(ledger)

@@ -80,13 +80,14 @@ def _global_sum_fn(
         total, stats = sum_fn(params, batch, is_padding, key, position_offset=offset)
         return jax.lax.psum((total, stats), data_axis)
 
-    return jax.shard_map(
-        local, mesh=mesh, in_specs=(P(), P(data_axis), P(data_axis), P()), out_specs=P()
-    )
+    return jax.shard_map(local, mesh=mesh, in_specs=(P(), P(data_axis), P(data_axis), P()), out_specs=P())
 
 
 def _jit(
-    step: Callable[..., Any], mesh: Mesh | None, data_axis: DataAxis, donate: bool,
+    step: Callable[..., Any],
+    mesh: Mesh | None,
+    data_axis: DataAxis,
+    donate: bool,
     state_shardings: tuple[Any, Any] | None,
 ) -> StepFn:
     donate_argnums = (0, 1) if donate else ()
@@ -103,9 +104,7 @@ def _jit(
     )
 
 
-def _apply(
-    optimizer: optax.GradientTransformation, grads: Any, opt_state: Any, params: Any
-) -> tuple[Any, Any]:
+def _apply(optimizer: optax.GradientTransformation, grads: Any, opt_state: Any, params: Any) -> tuple[Any, Any]:
     grads = jax.tree_util.tree_map(lambda g, p: g.astype(p.dtype), grads, params)
     updates, opt_state = optimizer.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state
@@ -146,9 +145,7 @@ def make_dp_train_step(
     fixed by the arrays passed in and must be a multiple of microbatch_size (times the
     number of devices on `data_axis`). `state_shardings` = (params, opt_state) shardings
     (pytrees or one sharding each) under `mesh`; default replicated."""
-    check_dp_params(
-        clip_norm=clip_norm, noise_multiplier=noise_multiplier, expected_batch_size=expected_batch_size
-    )
+    check_dp_params(clip_norm=clip_norm, noise_multiplier=noise_multiplier, expected_batch_size=expected_batch_size)
     if isinstance(microbatch_size, bool) or not isinstance(microbatch_size, int) or microbatch_size < 1:
         raise ValueError(f"microbatch_size must be an integer >= 1, got {microbatch_size!r}")
 

@@ -119,8 +119,9 @@ _TAP_AXES = {_REST: 0, _LAYERS: 1}
 _LAYER_PARAMS: Path = ("bert", "encoder", "layer")
 
 
-def _tapped_mlm_forward(model: BertForMaskedLM, example: dict[str, jax.Array], rng: jax.Array | None,
-                        z: dict[str, Any] | None) -> tuple[jax.Array, dict[str, Any], dict[str, Any]]:
+def _tapped_mlm_forward(
+    model: BertForMaskedLM, example: dict[str, jax.Array], rng: jax.Array | None, z: dict[str, Any] | None
+) -> tuple[jax.Array, dict[str, Any], dict[str, Any]]:
     """(logits [P, V], tap inputs, tap output shapes) of ONE example: the model's own computation
     with taps (batch axis of 1 inside, exactly like `functional.mlm_logits` on an unbatched
     example); the encoder runs the model's scanned layer body, taps inside.
@@ -319,8 +320,9 @@ class MLMGhostLoss:
         losses = jax.vmap(self.loss_from_logits)(logits, sequences)
         return jnp.sum(jnp.where(padding, 0.0, losses.astype(_F32))), inputs, outputs
 
-    def _tap_sq_norms(self, inputs: dict[str, Any], grads: dict[str, jax.Array]
-                      ) -> tuple[jax.Array | float, dict[Path, jax.Array]]:
+    def _tap_sq_norms(
+        self, inputs: dict[str, Any], grads: dict[str, jax.Array]
+    ) -> tuple[jax.Array | float, dict[Path, jax.Array]]:
         """(summed ghost squared norms [M] of the dense taps clipped by ghost norms, the
         per-example gradients of the others: biases, LayerNorm scales, instantiated kernels),
         keyed by the tap's parameter path."""
@@ -399,8 +401,9 @@ class MLMGhostLoss:
     def _tied(params: Any) -> bool:
         return "decoder" not in params["cls"]["predictions"]
 
-    def _tap_weighted_sums(self, inputs: dict[str, Any], grads: dict[str, jax.Array], w: jax.Array,
-                           per_example: dict[Path, jax.Array]) -> dict[Path, jax.Array]:
+    def _tap_weighted_sums(
+        self, inputs: dict[str, Any], grads: dict[str, jax.Array], w: jax.Array, per_example: dict[Path, jax.Array]
+    ) -> dict[Path, jax.Array]:
         """sum_i w_i grad_i of the dense and LayerNorm taps' parameters, keyed by parameter path."""
         out = {path: _weighted_example_sum(x, w) for path, x in per_example.items()}
         for name, g in grads.items():
@@ -415,8 +418,13 @@ class MLMGhostLoss:
         return out
 
     def weighted_sums(
-        self, params: Any, inputs: dict[str, Any], grads: dict[str, Any], w: jax.Array,
-        per_example: dict[str, dict[Path, jax.Array]], clean: Callable[[jax.Array], jax.Array] = lambda x: x,
+        self,
+        params: Any,
+        inputs: dict[str, Any],
+        grads: dict[str, Any],
+        w: jax.Array,
+        per_example: dict[str, dict[Path, jax.Array]],
+        clean: Callable[[jax.Array], jax.Array] = lambda x: x,
     ) -> dict[Path, jax.Array]:
         """sum_i w_i grad_i for every parameter, keyed by parameter path (float32); the encoder's
         stacked parameters [L, ...] by one `lax.scan` over the layer axis. `clean` is applied to
@@ -437,8 +445,9 @@ class MLMGhostLoss:
         out |= {_LAYER_PARAMS + path: x for path, x in layers.items()}
         return out
 
-    def _embedding_weighted_sums(self, params: Any, inputs: dict[str, Any], grads: dict[str, jax.Array],
-                                 w: jax.Array) -> dict[Path, jax.Array]:
+    def _embedding_weighted_sums(
+        self, params: Any, inputs: dict[str, Any], grads: dict[str, jax.Array], w: jax.Array
+    ) -> dict[Path, jax.Array]:
         """sum_i w_i grad_i of the word and position tables and of the untied decoder."""
         out = {}
         m = w.shape[0]
@@ -473,11 +482,14 @@ def _ghost_norms(loss: MLMGhostLoss, params: Any, examples: Any, keys: jax.Array
     `like` ([M], e.g. the padding mask) types the zero perturbations (see below)."""
     # Examples vmapped; the encoder's taps keep their layer axis first (`_TAP_AXES`), so the
     # scans over layers in `sq_norms` and `weighted_sums` read them without a transpose.
-    tapped = jax.vmap(lambda p, e, k, z: loss.tapped(p, e, k, z)[:2], in_axes=(None, 0, 0, _TAP_AXES),
-                      out_axes=(0, _TAP_AXES))
+    tapped = jax.vmap(
+        lambda p, e, k, z: loss.tapped(p, e, k, z)[:2], in_axes=(None, 0, 0, _TAP_AXES), out_axes=(0, _TAP_AXES)
+    )
     shapes = jax.eval_shape(
         jax.vmap(lambda p, e, k: loss.tapped(p, e, k, None)[2], in_axes=(None, 0, 0), out_axes=_TAP_AXES),
-        params, examples, keys,
+        params,
+        examples,
+        keys,
     )
     # Zeros shaped like the taps but typed like `like`: under shard_map they vary per device,
     # so each device's output gradients stay its own examples' (not a sum over devices).
@@ -566,15 +578,22 @@ def time_clipping_methods(
     # Concrete evaluation even when called while an outer step is being traced.
     with jax.ensure_compile_time_eval():
         p = jax.tree_util.tree_map(placeholder, params)
-        b = jax.tree_util.tree_map(lambda x: placeholder(jax.ShapeDtypeStruct(x.shape[1:], x.dtype), microbatch_size),
-                                   batch)
+        b = jax.tree_util.tree_map(
+            lambda x: placeholder(jax.ShapeDtypeStruct(x.shape[1:], x.dtype), microbatch_size), batch
+        )
         pad = np.zeros((microbatch_size,), np.bool_)
         key = jax.random.key(0)
         seconds = {}
         for name, impl in {"vmap": clipped_grad_sum_vmap, "ghost": ghost_clipped_grad_sum}.items():
-            fn = jax.jit(
-                lambda p, b, impl=impl: impl(loss, p, b, pad, key, clip_norm=clip_norm, microbatch_size=microbatch_size)
-            ).lower(p, b).compile()
+            fn = (
+                jax.jit(
+                    lambda p, b, impl=impl: impl(
+                        loss, p, b, pad, key, clip_norm=clip_norm, microbatch_size=microbatch_size
+                    )
+                )
+                .lower(p, b)
+                .compile()
+            )
             seconds[name] = best_seconds(lambda fn=fn: fn(p, b), repeats)
     return seconds
 
@@ -608,8 +627,14 @@ def clipped_sum_for(method: str, loss_fn: Any) -> Callable[..., tuple[Any, ClipS
             _AUTO_CHOICES[signature] = min(seconds, key=seconds.get)
         impl = ghost_clipped_grad_sum if _AUTO_CHOICES[signature] == "ghost" else clipped_grad_sum_vmap
         return impl(
-            loss, params, batch, is_padding, rng,
-            clip_norm=clip_norm, microbatch_size=microbatch_size, position_offset=position_offset,
+            loss,
+            params,
+            batch,
+            is_padding,
+            rng,
+            clip_norm=clip_norm,
+            microbatch_size=microbatch_size,
+            position_offset=position_offset,
         )
 
     return auto

@@ -56,17 +56,9 @@ def check_dp_params(*, clip_norm: float, noise_multiplier: float, expected_batch
     """ValueError naming the field for a non-positive clip norm, negative noise or empty batch."""
     if isinstance(clip_norm, bool) or not isinstance(clip_norm, int | float) or not clip_norm > 0:
         raise ValueError(f"clip_norm must be > 0, got {clip_norm!r}")
-    if (
-        isinstance(noise_multiplier, bool)
-        or not isinstance(noise_multiplier, int | float)
-        or not noise_multiplier >= 0
-    ):
+    if isinstance(noise_multiplier, bool) or not isinstance(noise_multiplier, int | float) or not noise_multiplier >= 0:
         raise ValueError(f"noise_multiplier must be >= 0, got {noise_multiplier!r}")
-    if (
-        isinstance(expected_batch_size, bool)
-        or not isinstance(expected_batch_size, int)
-        or expected_batch_size < 1
-    ):
+    if isinstance(expected_batch_size, bool) or not isinstance(expected_batch_size, int) or expected_batch_size < 1:
         raise ValueError(f"expected_batch_size must be an integer >= 1, got {expected_batch_size!r}")
 
 
@@ -146,9 +138,7 @@ def privatize(
     expected_batch_size: int,
 ) -> Any:
     """(grad_sum + N(0, (noise_multiplier * clip_norm)^2 I)) / expected_batch_size, in float32."""
-    check_dp_params(
-        clip_norm=clip_norm, noise_multiplier=noise_multiplier, expected_batch_size=expected_batch_size
-    )
+    check_dp_params(clip_norm=clip_norm, noise_multiplier=noise_multiplier, expected_batch_size=expected_batch_size)
     leaves, treedef = jax.tree_util.tree_flatten(grad_sum)
     starts = np.cumsum([0] + [-(-g.size // _ALIGN) * _ALIGN for g in leaves]).tolist()
     noise = gaussian(key, (starts[-1],))

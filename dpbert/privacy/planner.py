@@ -71,19 +71,26 @@ class BatchPlan:
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "dataset_size": self.dataset_size, "target_epsilon": self.target_epsilon, "delta": self.delta,
-            "accountant": self.accountant, "budget": self.budget, "recommended": self.recommended,
-            "reason": self.reason, "rows": [r.to_dict() for r in self.rows],
+            "dataset_size": self.dataset_size,
+            "target_epsilon": self.target_epsilon,
+            "delta": self.delta,
+            "accountant": self.accountant,
+            "budget": self.budget,
+            "recommended": self.recommended,
+            "reason": self.reason,
+            "rows": [r.to_dict() for r in self.rows],
         }
 
 
-def calibrated_stage(*, dataset_size: int, expected_batch_size: int, steps: int, target_epsilon: float, delta: float,
-                     accountant: str) -> Stage:
+def calibrated_stage(
+    *, dataset_size: int, expected_batch_size: int, steps: int, target_epsilon: float, delta: float, accountant: str
+) -> Stage:
     """One stage of `steps` steps at `expected_batch_size`, its noise multiplier calibrated to the
     target exactly as a training run calibrates a one-stage schedule (`calibrate: shared`)."""
     base = BatchSchedule(stages=(Stage(steps=steps, expected_batch_size=expected_batch_size, noise_multiplier=1.0),))
-    schedule = calibrate_noise_multiplier(base, dataset_size=dataset_size, target_epsilon=target_epsilon, delta=delta,
-                                          accountant=accountant)
+    schedule = calibrate_noise_multiplier(
+        base, dataset_size=dataset_size, target_epsilon=target_epsilon, delta=delta, accountant=accountant
+    )
     return schedule.stages[0]
 
 
@@ -123,20 +130,42 @@ def plan_batch_sizes(
     rows = []
     for b in sizes:
         t = steps if steps is not None else steps_for(examples, b)
-        stage = calibrated_stage(dataset_size=dataset_size, expected_batch_size=b, steps=t,
-                                 target_epsilon=target_epsilon, delta=delta, accountant=accountant)
+        stage = calibrated_stage(
+            dataset_size=dataset_size,
+            expected_batch_size=b,
+            steps=t,
+            target_epsilon=target_epsilon,
+            delta=delta,
+            accountant=accountant,
+        )
         sigma = stage.noise_multiplier
-        eps = compute_epsilon(BatchSchedule(stages=(stage,)), dataset_size=dataset_size, delta=delta,
-                              accountant=accountant)
-        rows.append(PlanRow(
-            expected_batch_size=b, steps=t, examples=t * b, epochs=t * b / dataset_size,
-            sampling_rate=b / dataset_size, noise_multiplier=sigma, epsilon=eps,
-            noise_over_batch=sigma / b, noise_over_sqrt_batch=sigma / math.sqrt(b),
-        ))
+        eps = compute_epsilon(
+            BatchSchedule(stages=(stage,)), dataset_size=dataset_size, delta=delta, accountant=accountant
+        )
+        rows.append(
+            PlanRow(
+                expected_batch_size=b,
+                steps=t,
+                examples=t * b,
+                epochs=t * b / dataset_size,
+                sampling_rate=b / dataset_size,
+                noise_multiplier=sigma,
+                epsilon=eps,
+                noise_over_batch=sigma / b,
+                noise_over_sqrt_batch=sigma / math.sqrt(b),
+            )
+        )
     recommended, reason = _recommend(rows, min_steps=min_steps, min_gain=min_gain)
-    return BatchPlan(dataset_size=dataset_size, target_epsilon=target_epsilon, delta=delta, accountant=accountant,
-                     budget="examples" if examples is not None else "steps", rows=tuple(rows),
-                     recommended=recommended, reason=reason)
+    return BatchPlan(
+        dataset_size=dataset_size,
+        target_epsilon=target_epsilon,
+        delta=delta,
+        accountant=accountant,
+        budget="examples" if examples is not None else "steps",
+        rows=tuple(rows),
+        recommended=recommended,
+        reason=reason,
+    )
 
 
 def _recommend(rows: Sequence[PlanRow], *, min_steps: int, min_gain: float) -> tuple[int | None, str]:
@@ -150,11 +179,13 @@ def _recommend(rows: Sequence[PlanRow], *, min_steps: int, min_gain: float) -> t
         if gain < min_gain:
             return row.expected_batch_size, (
                 f"doubling the batch beyond {row.expected_batch_size} cuts sigma/sqrt(B) by only {gain:.2f}x "
-                f"(< {min_gain:g}x) while halving the steps")
+                f"(< {min_gain:g}x) while halving the steps"
+            )
     best = allowed[-1]
     return best.expected_batch_size, (
         f"the largest batch that leaves at least {min_steps} steps ({best.steps}); sigma/B is "
-        f"{allowed[0].noise_over_batch / best.noise_over_batch:.0f}x smaller than at {allowed[0].expected_batch_size}")
+        f"{allowed[0].noise_over_batch / best.noise_over_batch:.0f}x smaller than at {allowed[0].expected_batch_size}"
+    )
 
 
 def quiet_accountant_warnings() -> None:
@@ -178,7 +209,8 @@ def format_plan(plan: BatchPlan) -> str:
         mark = "  <- recommended" if r.expected_batch_size == plan.recommended else ""
         lines.append(
             f"{r.expected_batch_size:>9,} {r.sampling_rate:>9.4f} {r.steps:>7,} {r.epochs:>7.2f} "
-            f"{r.noise_multiplier:>8.4f} {r.noise_over_batch:>10.2e} {r.noise_over_sqrt_batch:>14.4f}{mark}")
+            f"{r.noise_multiplier:>8.4f} {r.noise_over_batch:>10.2e} {r.noise_over_sqrt_batch:>14.4f}{mark}"
+        )
     lines.append(f"recommended expected batch size: {plan.recommended if plan.recommended else 'none'} ({plan.reason})")
     return "\n".join(lines)
 
@@ -189,12 +221,21 @@ def plan_main(args: Any) -> int:
 
     quiet_accountant_warnings()
 
-    sizes = DEFAULT_BATCH_SIZES if args.batch_sizes is None else tuple(
-        int(b) for b in str(args.batch_sizes).split(",") if b.strip())
+    sizes = (
+        DEFAULT_BATCH_SIZES
+        if args.batch_sizes is None
+        else tuple(int(b) for b in str(args.batch_sizes).split(",") if b.strip())
+    )
     plan = plan_batch_sizes(
-        dataset_size=args.dataset_size, target_epsilon=args.target_epsilon, delta=args.delta,
-        examples=args.examples, steps=args.steps, batch_sizes=sizes, accountant=args.accountant,
-        min_steps=args.min_steps, min_gain=args.min_gain,
+        dataset_size=args.dataset_size,
+        target_epsilon=args.target_epsilon,
+        delta=args.delta,
+        examples=args.examples,
+        steps=args.steps,
+        batch_sizes=sizes,
+        accountant=args.accountant,
+        min_steps=args.min_steps,
+        min_gain=args.min_gain,
     )
     print(json.dumps(plan.to_dict()) if args.json else format_plan(plan))
     return 0

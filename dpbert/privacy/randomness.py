@@ -93,7 +93,9 @@ def read_secret_file(path: str | Path) -> RunSecret:
     try:
         value = bytes.fromhex(text)
     except ValueError:
-        raise ValueError(f"--noise-seed-file {path}: expected hexadecimal digits only (e.g. secrets.token_hex(32))") from None
+        raise ValueError(
+            f"--noise-seed-file {path}: expected hexadecimal digits only (e.g. secrets.token_hex(32))"
+        ) from None
     if len(value) < MIN_SUPPLIED_BYTES:
         raise ValueError(
             f"--noise-seed-file {path}: {len(value) * 8} bits; expected at least {MIN_SUPPLIED_BYTES * 8} "
@@ -104,8 +106,11 @@ def read_secret_file(path: str | Path) -> RunSecret:
 
 def write_secret(path: str | Path, secret: RunSecret) -> None:
     """Store `secret` at `path`, readable by its owner only (0600), atomically."""
-    write_text(path, json.dumps({"format": _SECRET_FORMAT, "source": secret.source, "secret": secret.value.hex()}) + "\n",
-               private=True)
+    write_text(
+        path,
+        json.dumps({"format": _SECRET_FORMAT, "source": secret.source, "secret": secret.value.hex()}) + "\n",
+        private=True,
+    )
 
 
 def read_secret(path: str | Path) -> RunSecret:
@@ -131,8 +136,10 @@ def run_secret(path: str | Path, *, reuse: bool, supplied: str | Path | None = N
     if reuse and path.exists():
         stored = read_secret(path)
         if new is not None and new.value != stored.value:
-            raise ValueError(f"--noise-seed-file {supplied}: differs from the secret this run started with; "
-                             "a resumed run must replay the same noise")
+            raise ValueError(
+                f"--noise-seed-file {supplied}: differs from the secret this run started with; "
+                "a resumed run must replay the same noise"
+            )
         return stored
     secret = new if new is not None else draw_secret()
     write_secret(path, secret)

@@ -65,9 +65,7 @@ def physical_batch_size(
 ) -> int:
     """Smallest multiple of `multiple` with P[Binomial(N+1, q) > size] <= the bound (capped at N+1)."""
     if not 0 < overflow_probability_bound < 1:
-        raise ValueError(
-            f"overflow_probability_bound must be in (0, 1), got {overflow_probability_bound!r}"
-        )
+        raise ValueError(f"overflow_probability_bound must be in (0, 1), got {overflow_probability_bound!r}")
     if multiple < 1:
         raise ValueError(f"multiple must be >= 1, got {multiple!r}")
     sampling_rate(expected_batch_size, dataset_size)
@@ -124,13 +122,10 @@ def poisson_sample(
     if physical_batch_size < 1:
         raise ValueError(f"physical_batch_size must be >= 1, got {physical_batch_size!r}")
     if process_count < 1 or not 0 <= process_index < process_count:
-        raise ValueError(
-            f"process_index must be in [0, process_count={process_count}), got {process_index!r}"
-        )
+        raise ValueError(f"process_index must be in [0, process_count={process_count}), got {process_index!r}")
     if physical_batch_size % process_count:
         raise ValueError(
-            f"physical_batch_size={physical_batch_size} must be divisible by "
-            f"process_count={process_count}"
+            f"physical_batch_size={physical_batch_size} must be divisible by process_count={process_count}"
         )
     if step < 0:
         raise ValueError(f"step must be >= 0, got {step!r}")
@@ -146,10 +141,7 @@ def poisson_sample(
     is_padding = np.arange(physical_batch_size) >= size
     share = physical_batch_size // process_count
     part = slice(process_index * share, (process_index + 1) * share)
-    return PoissonBatch(
-        indices=indices[part], is_padding=is_padding[part], realized_size=size, truncated=truncated
-    )
-
+    return PoissonBatch(indices=indices[part], is_padding=is_padding[part], realized_size=size, truncated=truncated)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -226,7 +218,10 @@ def document_sample(
         indices[row, : taken.size] = start + taken
         sequence_padding[row, : taken.size] = False
     return DocumentBatch(
-        indices=indices, sequence_padding=sequence_padding, is_padding=docs.is_padding,
-        documents=np.where(docs.is_padding, 0, docs.indices), realized_size=docs.realized_size,
+        indices=indices,
+        sequence_padding=sequence_padding,
+        is_padding=docs.is_padding,
+        documents=np.where(docs.is_padding, 0, docs.indices),
+        realized_size=docs.realized_size,
         truncated=docs.truncated,
     )

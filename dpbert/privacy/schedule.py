@@ -31,9 +31,7 @@ class Stage:
             or not isinstance(self.expected_batch_size, int)
             or self.expected_batch_size < 1
         ):
-            raise ValueError(
-                f"Stage.expected_batch_size must be an integer >= 1, got {self.expected_batch_size!r}"
-            )
+            raise ValueError(f"Stage.expected_batch_size must be an integer >= 1, got {self.expected_batch_size!r}")
         sigma = self.noise_multiplier
         if isinstance(sigma, bool) or not isinstance(sigma, int | float) or not sigma >= 0:
             raise ValueError(f"Stage.noise_multiplier must be a number >= 0, got {sigma!r}")
@@ -71,9 +69,7 @@ class BatchSchedule:
         object.__setattr__(self, "stages", stages)
 
     @classmethod
-    def constant(
-        cls, *, steps: int, expected_batch_size: int, noise_multiplier: float
-    ) -> BatchSchedule:
+    def constant(cls, *, steps: int, expected_batch_size: int, noise_multiplier: float) -> BatchSchedule:
         """A single-stage schedule (classic DP-SGD)."""
         return cls(
             stages=(
@@ -100,13 +96,9 @@ class BatchSchedule:
         first = 0
         for index, stage in enumerate(self.stages):
             if step < first + stage.steps:
-                return StagePosition(
-                    index=index, stage=stage, step_in_stage=step - first, first_step=first
-                )
+                return StagePosition(index=index, stage=stage, step_in_stage=step - first, first_step=first)
             first += stage.steps
-        raise ValueError(
-            f"step {step} is past the end of the schedule ({self.total_steps} steps in total)"
-        )
+        raise ValueError(f"step {step} is past the end of the schedule ({self.total_steps} steps in total)")
 
     def truncated(self, steps: int) -> BatchSchedule | None:
         """The first `steps` steps as a schedule (None when steps == 0): what has been spent."""
@@ -126,8 +118,7 @@ class BatchSchedule:
         """A copy with one noise multiplier per stage replaced."""
         if len(noise_multipliers) != len(self.stages):
             raise ValueError(
-                f"noise_multipliers must have one value per stage ({len(self.stages)}), "
-                f"got {len(noise_multipliers)}"
+                f"noise_multipliers must have one value per stage ({len(self.stages)}), got {len(noise_multipliers)}"
             )
         return BatchSchedule(
             stages=tuple(

@@ -45,8 +45,9 @@ def peak_bytes(compiled: Any) -> int:
     """Peak bytes of a compiled function from XLA's memory analysis: arguments, outputs and
     temporaries, donated (aliased) buffers counted once."""
     stats = compiled.memory_analysis()
-    return int(stats.argument_size_in_bytes + stats.output_size_in_bytes + stats.temp_size_in_bytes
-               - stats.alias_size_in_bytes)
+    return int(
+        stats.argument_size_in_bytes + stats.output_size_in_bytes + stats.temp_size_in_bytes - stats.alias_size_in_bytes
+    )
 
 
 def auto_microbatch_size(
@@ -76,9 +77,7 @@ def auto_microbatch_size(
             break
         best, size = size, size * 2
     if not best:
-        raise ValueError(
-            f"memory_budget_bytes={memory_budget_bytes}: one example needs {peak} bytes; raise the budget"
-        )
+        raise ValueError(f"memory_budget_bytes={memory_budget_bytes}: one example needs {peak} bytes; raise the budget")
     return best
 
 
@@ -129,7 +128,7 @@ def fastest_microbatch_size(
         compiled = run.lower(p, batch, padding).compile()
         if memory_budget_bytes is not None and peak_bytes(compiled) > memory_budget_bytes:
             break
-        per_example[m] = best_seconds(lambda: compiled(p, batch, padding), repeats) / m
+        per_example[m] = best_seconds(lambda c=compiled, b=batch, pad=padding: c(p, b, pad), repeats) / m
     if not per_example:
         raise ValueError(
             f"memory_budget_bytes={memory_budget_bytes}: a micro-batch of {sizes[0]} does not fit; raise the budget"

@@ -93,17 +93,38 @@ def figure_from_report(report: Mapping[str, Any], *, epsilon_release: float, sco
     """An `AuditedFigure` from an audit.json object (`dpbert.train.audit.AuditReport.to_dict()`)."""
     if report.get("audit") is not True:
         raise ValueError(f"{where}: not a dpbert audit result (expected 'audit': true)")
-    missing = [k for k in ("kind", "epsilon_claimed", "delta", "epsilon_lower_bound", "confidence",
-                           "num_canaries", "num_guesses", "num_correct", "date", "recipe") if k not in report]
+    missing = [
+        k
+        for k in (
+            "kind",
+            "epsilon_claimed",
+            "delta",
+            "epsilon_lower_bound",
+            "confidence",
+            "num_canaries",
+            "num_guesses",
+            "num_correct",
+            "date",
+            "recipe",
+        )
+        if k not in report
+    ]
     if missing:
         raise ValueError(f"{where}: missing {', '.join(missing)} (rerun `dpbert audit` to write a complete audit.json)")
     try:
         return AuditedFigure(
-            scope=scope, kind=report["kind"], epsilon_claimed=float(report["epsilon_claimed"]),
-            epsilon_release=epsilon_release, delta=float(report["delta"]),
-            epsilon_lower_bound=float(report["epsilon_lower_bound"]), confidence=float(report["confidence"]),
-            num_canaries=int(report["num_canaries"]), num_guesses=int(report["num_guesses"]),
-            num_correct=int(report["num_correct"]), date=str(report["date"]), recipe=str(report["recipe"]),
+            scope=scope,
+            kind=report["kind"],
+            epsilon_claimed=float(report["epsilon_claimed"]),
+            epsilon_release=epsilon_release,
+            delta=float(report["delta"]),
+            epsilon_lower_bound=float(report["epsilon_lower_bound"]),
+            confidence=float(report["confidence"]),
+            num_canaries=int(report["num_canaries"]),
+            num_guesses=int(report["num_guesses"]),
+            num_correct=int(report["num_correct"]),
+            date=str(report["date"]),
+            recipe=str(report["recipe"]),
         )
     except ValueError as err:
         raise ValueError(f"{where}: {err}") from err
@@ -137,7 +158,9 @@ def add_audit(
         raise ValueError(f"scope: the release has guarantees for {sorted(guarantees)}, not {scope!r}")
     guarantee = guarantees[scope]
     if not guarantee.private:
-        raise ValueError(f"scope: the release's '{scope}' guarantee is not private (epsilon infinity): nothing to audit")
+        raise ValueError(
+            f"scope: the release's '{scope}' guarantee is not private (epsilon infinity): nothing to audit"
+        )
     figure = figure_from_report(report, epsilon_release=guarantee.epsilon, scope=scope, where=where)
     if not math.isclose(figure.epsilon_claimed, guarantee.epsilon, rel_tol=EPSILON_RTOL):
         raise ValueError(

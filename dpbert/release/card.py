@@ -175,11 +175,15 @@ def unit_text(g: Guarantee) -> str:
     tokens = unit.get("sequence_tokens")
     cap = ledger.get("max_sequences_per_document")
     if ledger.get("privacy_unit") == DOCUMENT_UNIT:
-        text = (f"one document, all its sequences{'' if tokens is None else f' of {tokens} tokens'} together "
-                f"(at most {_count(cap)} of them, chosen at random, enter a step; their summed gradient is clipped as one)")
+        text = (
+            f"one document, all its sequences{'' if tokens is None else f' of {tokens} tokens'} together "
+            f"(at most {_count(cap)} of them, chosen at random, enter a step; their summed gradient is clipped as one)"
+        )
     elif g.scope.startswith("fine-tuning"):
-        return (f"{ledger.get('privacy_unit', PRIVACY_UNIT)}: one task example, which is a whole document here "
-                "(a GLUE example is one sentence or sentence pair)")
+        return (
+            f"{ledger.get('privacy_unit', PRIVACY_UNIT)}: one task example, which is a whole document here "
+            "(a GLUE example is one sentence or sentence pair)"
+        )
     elif not unit or tokens is None:
         return str(ledger.get("privacy_unit", PRIVACY_UNIT))
     else:
@@ -204,10 +208,14 @@ def document_group_text(g: Guarantee) -> str | None:
     eps = epsilon_from_json(unit["document_group_epsilon"], "unit.document_group_epsilon")
     most = _count(unit.get("max_sequences_per_document"))
     if math.isinf(eps):
-        return (f"a whole document of {most} sequences has NO meaningful guarantee (group privacy computed by "
-                "dp_accounting gives no epsilon below 100)")
-    return (f"a whole document of {most} sequences is protected only at epsilon = {eps:.4g} (group privacy, computed "
-            "by dp_accounting as a mixture of Gaussians, same delta)")
+        return (
+            f"a whole document of {most} sequences has NO meaningful guarantee (group privacy computed by "
+            "dp_accounting gives no epsilon below 100)"
+        )
+    return (
+        f"a whole document of {most} sequences is protected only at epsilon = {eps:.4g} (group privacy, computed "
+        "by dp_accounting as a mixture of Gaussians, same delta)"
+    )
 
 
 def randomness_text(g: Guarantee) -> str:

@@ -248,7 +248,9 @@ def export_run(
     run_dir = Path(run_dir)
     hf_dir = run_dir / "hf"
     if not (hf_dir / "config.json").is_file():
-        raise FileNotFoundError(f"{hf_dir / 'config.json'}: missing (the trainer writes RUN_DIR/hf at the end of a run)")
+        raise FileNotFoundError(
+            f"{hf_dir / 'config.json'}: missing (the trainer writes RUN_DIR/hf at the end of a run)"
+        )
     recipe_path = run_dir / "recipe.yaml"
     recipe_text = recipe_path.read_text() if recipe_path.is_file() else None
     recipe = (yaml.safe_load(recipe_text) or {}) if recipe_text else {}
@@ -267,8 +269,9 @@ def export_run(
             ledger=ledger,
             randomness=_randomness(run_dir),
             noise=noise_record(ledger, coordinates=count_parameters(hf_dir)),
-            unit=unit_record(sequence_tokens=seq_len, split=((manifest or {}).get("splits") or {}).get("train"),
-                             ledger=ledger),
+            unit=unit_record(
+                sequence_tokens=seq_len, split=((manifest or {}).get("splits") or {}).get("train"), ledger=ledger
+            ),
         )
     elif non_private:
         guarantee = Guarantee.non_private(scope="pretraining", data=data_desc)
@@ -312,4 +315,3 @@ def export_run(
     if tokenizer is None and not has_tokenizer and store_dir is not None and (store_dir / "tokenizer").is_dir():
         tokenizer = store_dir / "tokenizer"  # where the token store saves the tokenizer it used
     return write_release(out, model=hf_dir, meta=meta, info=info, tokenizer_dir=tokenizer, overwrite=overwrite)
-

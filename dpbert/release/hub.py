@@ -89,9 +89,7 @@ def _download(repo_id: str, revision: str | None) -> Path:
         raise ValueError(f"{repo_id!r}: the Hub answered {err}") from err
 
 
-def pull(
-    repo_id_or_path: str | os.PathLike[str], *, revision: str | None = None, verify: bool = True
-) -> Path:
+def pull(repo_id_or_path: str | os.PathLike[str], *, revision: str | None = None, verify: bool = True) -> Path:
     """A local folder for a Hub repo (downloaded through the HF cache) or an existing folder.
 
     With `verify=True` (the default) the release's privacy metadata must verify, else ValueError lists

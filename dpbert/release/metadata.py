@@ -208,8 +208,9 @@ def noise_record(ledger: Mapping[str, Any], *, coordinates: int | None) -> dict[
     }
 
 
-def unit_record(*, sequence_tokens: int | None, split: Mapping[str, Any] | None,
-                ledger: Mapping[str, Any] | None = None) -> dict[str, Any]:
+def unit_record(
+    *, sequence_tokens: int | None, split: Mapping[str, Any] | None, ledger: Mapping[str, Any] | None = None
+) -> dict[str, Any]:
     """The `unit` of a pretraining guarantee from the token store's train split (manifest
     `splits.train`): sequence length, documents, and sequences per document (None where the
     store predates the counts). With a sequence-level `ledger` and a known largest document,
@@ -320,14 +321,14 @@ class Guarantee:
 
     @property
     def dataset_size_source(self) -> str | None:
-        """"declared", "rounded" or "exact" as the ledger says; "unrecorded" for an older ledger."""
+        """ "declared", "rounded" or "exact" as the ledger says; "unrecorded" for an older ledger."""
         if self.ledger is None:
             return None
         return str(self.ledger.get("dataset_size_source") or UNRECORDED)
 
     @property
     def randomness_source(self) -> str:
-        """"os-csprng", "supplied-file", or "unknown" (not recorded, or not a known source)."""
+        """ "os-csprng", "supplied-file", or "unknown" (not recorded, or not a known source)."""
         source = (self.randomness or {}).get("source")
         return str(source) if source in RANDOMNESS_SOURCES else UNKNOWN
 
@@ -351,8 +352,11 @@ class Guarantee:
                 delta=self.delta,
                 accountant=self.accountant,
                 privacy_unit=self.ledger.get("privacy_unit", PRIVACY_UNIT),
-                **({"max_sequences_per_document": self.ledger["max_sequences_per_document"]}
-                   if self.ledger.get("max_sequences_per_document") is not None else {}),
+                **(
+                    {"max_sequences_per_document": self.ledger["max_sequences_per_document"]}
+                    if self.ledger.get("max_sequences_per_document") is not None
+                    else {}
+                ),
                 sampling=self.ledger.get("sampling", "poisson"),
                 dataset_size=self.ledger.get("dataset_size"),
                 dataset_size_source=self.dataset_size_source,
@@ -432,18 +436,31 @@ class ReleaseMetadata:
         for g in self.guarantees:
             if g.ledger is not None:
                 items.append(
-                    {"input": "dataset_size", "scope": g.scope, "value": g.ledger.get("dataset_size"),
-                     "source": g.dataset_size_source}
+                    {
+                        "input": "dataset_size",
+                        "scope": g.scope,
+                        "value": g.ledger.get("dataset_size"),
+                        "source": g.dataset_size_source,
+                    }
                 )
         items.append({"input": "vocabulary", "value": self.vocabulary_origin, "source": self.vocabulary_source})
         items.append(
-            {"input": "recipe", "value": self.recipe_name, "source": "recipe.content" if self.recipe_content is not None
-             else "not included"}
+            {
+                "input": "recipe",
+                "value": self.recipe_name,
+                "source": "recipe.content" if self.recipe_content is not None else "not included",
+            }
         )
         for g in self.guarantees:
             if g.private:
-                items.append({"input": "randomness_source", "scope": g.scope, "value": g.randomness_source,
-                              "source": "the run folder's randomness record (the secret itself is never released)"})
+                items.append(
+                    {
+                        "input": "randomness_source",
+                        "scope": g.scope,
+                        "value": g.randomness_source,
+                        "source": "the run folder's randomness record (the secret itself is never released)",
+                    }
+                )
         return items
 
     def to_dict(self) -> dict[str, Any]:
@@ -542,7 +559,9 @@ def metadata_from_json(data: Mapping[str, Any], where: str) -> ReleaseMetadata:
         raise ValueError(f"{where}: vocabulary: expected an object with 'origin' and 'covered'")
     learned = vocabulary.get("learned_from_private_data")
     if learned is not None and not isinstance(learned, bool):
-        raise ValueError(f"{where}: vocabulary.learned_from_private_data: expected true, false or null, got {learned!r}")
+        raise ValueError(
+            f"{where}: vocabulary.learned_from_private_data: expected true, false or null, got {learned!r}"
+        )
     recipe = data.get("recipe")
     if recipe is not None and (not isinstance(recipe, Mapping) or not isinstance(recipe.get("content"), str)):
         raise ValueError(f"{where}: recipe: expected null or an object with 'name', 'sha256' and 'content'")

@@ -208,25 +208,36 @@ def _ledger_problems(field: str, ledger: Mapping[str, Any]) -> list[str]:
 
     problems = []
     if ledger.get("accountant") not in ACCOUNTANTS:
-        problems.append(f"{field}.accountant: {ledger.get('accountant')!r} is not a known accountant "
-                        f"(expected one of {list(ACCOUNTANTS)})")
+        problems.append(
+            f"{field}.accountant: {ledger.get('accountant')!r} is not a known accountant "
+            f"(expected one of {list(ACCOUNTANTS)})"
+        )
     unit = ledger.get("privacy_unit", PRIVACY_UNIT)
     cap = ledger.get("max_sequences_per_document")
     if unit not in PRIVACY_UNITS:
-        problems.append(f"{field}.privacy_unit: {ledger.get('privacy_unit')!r} is not a known privacy unit "
-                        f"(expected one of {list(PRIVACY_UNITS)})")
+        problems.append(
+            f"{field}.privacy_unit: {ledger.get('privacy_unit')!r} is not a known privacy unit "
+            f"(expected one of {list(PRIVACY_UNITS)})"
+        )
     elif unit == DOCUMENT_UNIT and (isinstance(cap, bool) or not isinstance(cap, int) or cap < 1):
-        problems.append(f"{field}.max_sequences_per_document: {cap!r} (expected an integer >= 1: a document-level "
-                        "ledger states how many sequences of one document a step may take)")
+        problems.append(
+            f"{field}.max_sequences_per_document: {cap!r} (expected an integer >= 1: a document-level "
+            "ledger states how many sequences of one document a step may take)"
+        )
     elif unit != DOCUMENT_UNIT and cap is not None:
-        problems.append(f"{field}.max_sequences_per_document: {cap!r} in a ledger whose unit is {unit!r} "
-                        f"(expected it only with {DOCUMENT_UNIT!r})")
+        problems.append(
+            f"{field}.max_sequences_per_document: {cap!r} in a ledger whose unit is {unit!r} "
+            f"(expected it only with {DOCUMENT_UNIT!r})"
+        )
     if ledger.get("sampling", SAMPLING) != SAMPLING:
-        problems.append(f"{field}.sampling: {ledger.get('sampling')!r} is not what the accountant models "
-                        f"(expected {SAMPLING!r})")
+        problems.append(
+            f"{field}.sampling: {ledger.get('sampling')!r} is not what the accountant models (expected {SAMPLING!r})"
+        )
     if ledger.get("neighboring_relation", NEIGHBORING_RELATION) != NEIGHBORING_RELATION:
-        problems.append(f"{field}.neighboring_relation: {ledger.get('neighboring_relation')!r} is not known "
-                        f"(expected {NEIGHBORING_RELATION!r})")
+        problems.append(
+            f"{field}.neighboring_relation: {ledger.get('neighboring_relation')!r} is not known "
+            f"(expected {NEIGHBORING_RELATION!r})"
+        )
     source = ledger.get("dataset_size_source")
     if source is not None and source not in DATASET_SIZE_SOURCES:
         problems.append(
@@ -242,8 +253,10 @@ def _ledger_problems(field: str, ledger: Mapping[str, Any]) -> list[str]:
         )
     stages = ledger.get("stages")
     if not isinstance(stages, list) or not stages:
-        problems.append(f"{field}.stages: empty (expected at least one stage of DP-SGD; a ledger without steps "
-                        "is not the record of a training run)")
+        problems.append(
+            f"{field}.stages: empty (expected at least one stage of DP-SGD; a ledger without steps "
+            "is not the record of a training run)"
+        )
     else:
         for j, stage in enumerate(stages):
             steps = stage.get("steps") if isinstance(stage, Mapping) else None
@@ -337,8 +350,9 @@ def _compare_rebuilt(field: str, stated: Any, rebuilt: Any) -> list[str]:
             if key not in stated:
                 problems.append(f"{field}.{key}: missing in the ledger, {_show(rebuilt[key])} rebuilt from the recipe")
             elif key not in rebuilt:
-                problems.append(f"{field}.{key}: {_show(stated[key])} in the ledger, absent from the ledger rebuilt "
-                                "from the recipe")
+                problems.append(
+                    f"{field}.{key}: {_show(stated[key])} in the ledger, absent from the ledger rebuilt from the recipe"
+                )
             else:
                 problems += _compare_rebuilt(f"{field}.{key}", stated[key], rebuilt[key])
         return problems
@@ -375,20 +389,25 @@ def _recipe_checks(
             return [f"{privacy_path}: recipe.content: expected the resolved recipe as a string"], notes, rebuilt
         digest = hashlib.sha256(content.encode()).hexdigest()
         if recipe.get("sha256") != digest:
-            problems.append(f"{privacy_path}: recipe.sha256: {recipe.get('sha256')!r} but recipe.content hashes to "
-                            f"{digest!r}")
+            problems.append(
+                f"{privacy_path}: recipe.sha256: {recipe.get('sha256')!r} but recipe.content hashes to {digest!r}"
+            )
     finetuned = any(_is_finetuning(g.scope) for g in guarantees)
     for i, g in enumerate(guarantees):
         if g.ledger is None or not checks[g.scope].private:
             continue  # a non-private guarantee claims nothing to rebuild
         field = f"{privacy_path}: guarantees[{i}].ledger"
         if g.scope == PRETRAINING and finetuned:
-            notes.append(f"{g.scope}: this fine-tuned release carries its fine-tuning recipe only; the pretraining "
-                         "ledger was copied from the source checkpoint, whose own release carries its recipe")
+            notes.append(
+                f"{g.scope}: this fine-tuned release carries its fine-tuning recipe only; the pretraining "
+                "ledger was copied from the source checkpoint, whose own release carries its recipe"
+            )
             continue
         if g.scope != PRETRAINING and not _is_finetuning(g.scope):
-            problems.append(f"{privacy_path}: guarantees[{i}].scope: {g.scope!r} has no recipe dpbert can rebuild "
-                            "(expected 'pretraining' or 'fine-tuning (TASK)')")
+            problems.append(
+                f"{privacy_path}: guarantees[{i}].scope: {g.scope!r} has no recipe dpbert can rebuild "
+                "(expected 'pretraining' or 'fine-tuning (TASK)')"
+            )
             continue
         if content is None:
             message = f"{g.scope}: the release carries no recipe, so its ledger was not rebuilt"
@@ -403,8 +422,10 @@ def _recipe_checks(
                 ledger_json, seq_len = _rebuilt_pretraining(content, n)
                 tokens = (g.unit or {}).get("sequence_tokens")
                 if tokens is not None and tokens != seq_len:
-                    problems.append(f"{privacy_path}: guarantees[{i}].unit.sequence_tokens: {tokens} stated, "
-                                    f"{seq_len} in the recipe (data.seq_len)")
+                    problems.append(
+                        f"{privacy_path}: guarantees[{i}].unit.sequence_tokens: {tokens} stated, "
+                        f"{seq_len} in the recipe (data.seq_len)"
+                    )
             else:
                 ledger_json = _rebuilt_finetuning(content, n)
         except _NotRebuildable as err:
@@ -421,11 +442,16 @@ def _recipe_checks(
 
 
 def _weight_problems(folder: Path, privacy_path: str, recorded: Any) -> list[str]:
-    problems = [f"{folder / name}: a noise secret is in the release; it must never be published"
-                for name in NEVER_RELEASED if (folder / name).exists()]
+    problems = [
+        f"{folder / name}: a noise secret is in the release; it must never be published"
+        for name in NEVER_RELEASED
+        if (folder / name).exists()
+    ]
     if not isinstance(recorded, Mapping) or not recorded:
-        return problems + [f"{privacy_path}: weights: missing (expected the sha256 of every weight file, which "
-                           "`dpbert export` records; re-export the release)"]
+        return problems + [
+            f"{privacy_path}: weights: missing (expected the sha256 of every weight file, which "
+            "`dpbert export` records; re-export the release)"
+        ]
     present = weight_files(folder)
     for name in present:
         if name not in recorded:
@@ -440,8 +466,10 @@ def _weight_problems(folder: Path, privacy_path: str, recorded: Any) -> list[str
             continue
         actual = sha256_file(path)
         if actual != expected:
-            problems.append(f"{privacy_path}: weights.{name}: sha256 {str(expected)[:16]}... in privacy.json, "
-                            f"{actual[:16]}... for the file (the weights are not the ones released)")
+            problems.append(
+                f"{privacy_path}: weights.{name}: sha256 {str(expected)[:16]}... in privacy.json, "
+                f"{actual[:16]}... for the file (the weights are not the ones released)"
+            )
     return problems
 
 
@@ -472,15 +500,21 @@ def _randomness_and_noise(
         stated = noise.get("tail_bound")
         again = noise_record(g.ledger, coordinates=noise.get("coordinates"))
         if stated is None or again.get("tail_bound") is None:
-            notes.append(f"{g.scope}: no bound on the noise's deviation from the exact Gaussian is recorded "
-                         f"(sampler: {noise.get('sampler')})")
+            notes.append(
+                f"{g.scope}: no bound on the noise's deviation from the exact Gaussian is recorded "
+                f"(sampler: {noise.get('sampler')})"
+            )
             continue
         if not (_is_number(stated) and _close(float(stated), float(again["tail_bound"]), 1e-6)):
-            problems.append(f"{privacy_path}: guarantees[{i}].noise.tail_bound: {_show(stated)} stated, "
-                            f"{_show(again['tail_bound'])} recomputed from the ledger")
+            problems.append(
+                f"{privacy_path}: guarantees[{i}].noise.tail_bound: {_show(stated)} stated, "
+                f"{_show(again['tail_bound'])} recomputed from the ledger"
+            )
         elif float(again["tail_bound"]) > 1e-3 * float(g.ledger["delta"]):
-            problems.append(f"{privacy_path}: guarantees[{i}].noise.tail_bound: {_show(stated)} exceeds 1e-3 of "
-                            f"delta ({float(g.ledger['delta']):g}); the noise is not the Gaussian the accountant assumes")
+            problems.append(
+                f"{privacy_path}: guarantees[{i}].noise.tail_bound: {_show(stated)} exceeds 1e-3 of "
+                f"delta ({float(g.ledger['delta']):g}); the noise is not the Gaussian the accountant assumes"
+            )
     return problems, warnings, notes
 
 
@@ -570,7 +604,11 @@ def verify_folder(folder: str | Path, *, rtol: float = DEFAULT_RTOL) -> Verifica
             problems.append(f"{where}: ledger of '{g.scope}' cannot be recomputed ({err!r})")
             continue
         checks[g.scope] = GuaranteeCheck(
-            scope=g.scope, stated_epsilon=g.epsilon, recomputed_epsilon=recomputed, delta=g.delta, accountant=g.accountant
+            scope=g.scope,
+            stated_epsilon=g.epsilon,
+            recomputed_epsilon=recomputed,
+            delta=g.delta,
+            accountant=g.accountant,
         )
         if not _close(g.epsilon, recomputed, rtol):
             problems.append(
@@ -579,19 +617,25 @@ def verify_folder(folder: str | Path, *, rtol: float = DEFAULT_RTOL) -> Verifica
             )
         stated_private = (data["guarantees"][i] or {}).get("private")
         if stated_private is not None and stated_private is not math.isfinite(recomputed):
-            problems.append(f"{where}: guarantees[{i}].private is {stated_private!r} but its recomputed epsilon is "
-                            f"{_fmt(recomputed)}")
+            problems.append(
+                f"{where}: guarantees[{i}].private is {stated_private!r} but its recomputed epsilon is "
+                f"{_fmt(recomputed)}"
+            )
         if g.ledger is not None and math.isfinite(recomputed):
             target = g.ledger.get("target_epsilon")
             if _is_number(target) and recomputed > target * (1 + rtol):
-                problems.append(f"{where}: guarantees[{i}].ledger.target_epsilon: the ledger spends epsilon "
-                                f"{_fmt(recomputed)} > its target {target:g} (the trainer refuses such a plan)")
+                problems.append(
+                    f"{where}: guarantees[{i}].ledger.target_epsilon: the ledger spends epsilon "
+                    f"{_fmt(recomputed)} > its target {target:g} (the trainer refuses such a plan)"
+                )
             problems += _group_privacy_problems(f"{where}: guarantees[{i}].unit.document_group_epsilon", g, rtol)
             truncation = recompute_truncation_delta(g.ledger)
             if truncation > MAX_TRUNCATION_DELTA_FRACTION * g.ledger["delta"]:
-                problems.append(f"{where}: guarantees[{i}].ledger.stages: truncated Poisson samples add delta "
-                                f"{truncation:.3g} > {MAX_TRUNCATION_DELTA_FRACTION:g} * delta (physical_batch_size "
-                                "too small; the trainer refuses such a plan)")
+                problems.append(
+                    f"{where}: guarantees[{i}].ledger.stages: truncated Poisson samples add delta "
+                    f"{truncation:.3g} > {MAX_TRUNCATION_DELTA_FRACTION:g} * delta (physical_batch_size "
+                    "too small; the trainer refuses such a plan)"
+                )
     if problems:
         return VerificationResult(path=folder, checks=tuple(checks.values()), problems=tuple(problems))
 
@@ -614,8 +658,10 @@ def verify_folder(folder: str | Path, *, rtol: float = DEFAULT_RTOL) -> Verifica
 
     # 7: what is public
     if data.get("public_inputs") != meta.public_inputs():
-        problems.append(f"{where}: public_inputs: {data.get('public_inputs')!r} but the rest of {PRIVACY_FILE} states "
-                        f"{meta.public_inputs()!r}")
+        problems.append(
+            f"{where}: public_inputs: {data.get('public_inputs')!r} but the rest of {PRIVACY_FILE} states "
+            f"{meta.public_inputs()!r}"
+        )
 
     # 8-9: the card and config.json
     if not card_path.is_file():
@@ -630,8 +676,10 @@ def verify_folder(folder: str | Path, *, rtol: float = DEFAULT_RTOL) -> Verifica
             problems += _compare_copy(str(card_path), block, checks, by_scope, rtol)
             card_vocabulary = block.get("vocabulary") if isinstance(block, Mapping) else None
             if card_vocabulary != meta.vocabulary_copy():
-                problems.append(f"{card_path}: differential_privacy.vocabulary is {card_vocabulary!r} but "
-                                f"{PRIVACY_FILE} states {meta.vocabulary_copy()!r}")
+                problems.append(
+                    f"{card_path}: differential_privacy.vocabulary is {card_vocabulary!r} but "
+                    f"{PRIVACY_FILE} states {meta.vocabulary_copy()!r}"
+                )
             card_audits = (block.get("audits") if isinstance(block, Mapping) else None) or []
             if card_audits != (data.get("audits") or []):
                 problems.append(f"{card_path}: differential_privacy.audits differs from the audits in {privacy_path}")
@@ -654,8 +702,9 @@ def verify_folder(folder: str | Path, *, rtol: float = DEFAULT_RTOL) -> Verifica
         if "differential_privacy" in config:
             problems += _compare_copy(str(config_path), config["differential_privacy"], checks, by_scope, rtol)
         else:
-            problems.append(f"{config_path}: differential_privacy: missing (a release states its guarantee in "
-                            "config.json too)")
+            problems.append(
+                f"{config_path}: differential_privacy: missing (a release states its guarantee in config.json too)"
+            )
     return VerificationResult(
         path=folder,
         checks=tuple(checks.values()),
@@ -666,9 +715,10 @@ def verify_folder(folder: str | Path, *, rtol: float = DEFAULT_RTOL) -> Verifica
     )
 
 
-def verify(path_or_repo_id: str | Path, *, revision: str | None = None, rtol: float = DEFAULT_RTOL) -> VerificationResult:
+def verify(
+    path_or_repo_id: str | Path, *, revision: str | None = None, rtol: float = DEFAULT_RTOL
+) -> VerificationResult:
     """Verify a local release folder, or a Hub repo downloaded through the Hugging Face cache."""
     from dpbert.release.hub import pull
 
     return verify_folder(pull(path_or_repo_id, revision=revision, verify=False), rtol=rtol)
-

@@ -58,13 +58,13 @@ import numpy as np
 from dpbert.atomic import replace_dir, write_json
 from dpbert.privacy.accounting import PrivacyLedger
 from dpbert.privacy.audit import audit_scores, empirical_figures
-from dpbert.privacy.randomness import SECRET_FILE, run_secret
 from dpbert.privacy.canaries import (
     GradientCanaryConfig,
     audit_keys,
     canary_inclusion,
     run_gradient_canary_audit,
 )
+from dpbert.privacy.randomness import SECRET_FILE, run_secret
 from dpbert.train.recipe import Recipe, load_recipe
 
 KINDS = ("input", "gradient")
@@ -115,7 +115,13 @@ class AuditReport:
 
 
 def random_canaries(
-    key: jax.Array, num: int, *, seq_len: int, vocab_size: int, cls_id: int, sep_id: int,
+    key: jax.Array,
+    num: int,
+    *,
+    seq_len: int,
+    vocab_size: int,
+    cls_id: int,
+    sep_id: int,
     special_token_ids: Iterable[int],
 ) -> np.ndarray:
     """int32 [num, seq_len]: [CLS], seq_len - 2 tokens uniform over the non-special ids, [SEP]."""
@@ -193,8 +199,14 @@ def _base_store(recipe: Recipe, output_dir: Path) -> Path:
     d = recipe.data
     base = Path(d.store) if d.store else output_dir / "base_store"
     prepare_store(
-        base, corpus=d.corpus, tokenizer=d.tokenizer, seq_len=d.seq_len, eval_fraction=d.eval_fraction,
-        seed=d.split_seed, train_vocab_size=d.train_vocab_size, num_proc=d.num_proc,
+        base,
+        corpus=d.corpus,
+        tokenizer=d.tokenizer,
+        seq_len=d.seq_len,
+        eval_fraction=d.eval_fraction,
+        seed=d.split_seed,
+        train_vocab_size=d.train_vocab_size,
+        num_proc=d.num_proc,
     )
     return base
 
@@ -204,15 +216,25 @@ def _figures(scores: np.ndarray, included: np.ndarray, result: Any) -> dict[str,
     return empirical_figures(scores, included, delta=result.delta, confidence=result.confidence)
 
 
-def _report(kind: str, recipe_path: str, claimed: float, result: Any, score: str,
-            figures: dict[str, Any] | None = None) -> AuditReport:
+def _report(
+    kind: str, recipe_path: str, claimed: float, result: Any, score: str, figures: dict[str, Any] | None = None
+) -> AuditReport:
     return AuditReport(
-        kind=kind, recipe=str(recipe_path), epsilon_claimed=claimed, delta=result.delta,
+        kind=kind,
+        recipe=str(recipe_path),
+        epsilon_claimed=claimed,
+        delta=result.delta,
         epsilon_lower_bound=result.epsilon_lower_bound,
         epsilon_lower_bound_max_over_k=result.epsilon_lower_bound_max_over_k,
-        confidence=result.confidence, num_canaries=result.num_canaries, num_included=result.num_included,
-        num_guesses=result.num_guesses, num_correct=result.num_correct, k_plus=result.k_plus,
-        k_minus=result.k_minus, num_candidates=result.num_candidates, score=score,
+        confidence=result.confidence,
+        num_canaries=result.num_canaries,
+        num_included=result.num_included,
+        num_guesses=result.num_guesses,
+        num_correct=result.num_correct,
+        k_plus=result.k_plus,
+        k_minus=result.k_minus,
+        num_candidates=result.num_candidates,
+        score=score,
         date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         **(figures or {}),
     )
@@ -259,22 +281,39 @@ def run_audit(
 
         plan = make_plan(recipe, n_train + int(included.sum()))
         config = GradientCanaryConfig(
-            schedule=plan.schedule, num_canaries=num_canaries, num_other_examples=n_train,
-            clip_norm=recipe.privacy.clip_norm, delta=recipe.privacy.delta, secret=secret,
-            microbatch_size=recipe.train.microbatch_size, accountant=recipe.privacy.accountant,
+            schedule=plan.schedule,
+            num_canaries=num_canaries,
+            num_other_examples=n_train,
+            clip_norm=recipe.privacy.clip_norm,
+            delta=recipe.privacy.delta,
+            secret=secret,
+            microbatch_size=recipe.train.microbatch_size,
+            accountant=recipe.privacy.accountant,
             confidence=confidence,
         )
-        log(f"audit: {num_canaries} gradient canaries ({int(included.sum())} in) through the real DP step, "
-            f"{plan.schedule.total_steps} steps over {n_train} + canaries examples")
+        log(
+            f"audit: {num_canaries} gradient canaries ({int(included.sum())} in) through the real DP step, "
+            f"{plan.schedule.total_steps} steps over {n_train} + canaries examples"
+        )
         result = run_gradient_canary_audit(config)
-        report = _report(kind, str(recipe_path), result.epsilon_claimed, result.audit, result.score,
-                         _figures(result.scores, result.included, result.audit))
+        report = _report(
+            kind,
+            str(recipe_path),
+            result.epsilon_claimed,
+            result.audit,
+            result.score,
+            _figures(result.scores, result.included, result.audit),
+        )
     else:
         from dpbert.train.pretrain import pretrain
 
         canaries = random_canaries(
-            jax.random.fold_in(canary_key, _TOKENS), num_canaries, seq_len=manifest.seq_len,
-            vocab_size=manifest.vocab_size, cls_id=manifest.cls_id, sep_id=manifest.sep_id,
+            jax.random.fold_in(canary_key, _TOKENS),
+            num_canaries,
+            seq_len=manifest.seq_len,
+            vocab_size=manifest.vocab_size,
+            cls_id=manifest.cls_id,
+            sep_id=manifest.sep_id,
             special_token_ids=manifest.special_token_ids,
         )
         store = out / "store"
@@ -282,13 +321,28 @@ def run_audit(
         run_dir = out / "run"
         run_dir.mkdir(parents=True, exist_ok=True)
         # Marked before the first step, so even an interrupted audit run says what it is.
-        write_json(run_dir / "AUDIT_RUN.json", {"audit": True, "kind": kind, "num_canaries": num_canaries,
-                                                 "num_included": int(included.sum()), "store": str(store)})
+        write_json(
+            run_dir / "AUDIT_RUN.json",
+            {
+                "audit": True,
+                "kind": kind,
+                "num_canaries": num_canaries,
+                "num_included": int(included.sum()),
+                "store": str(store),
+            },
+        )
         log(f"audit: {num_canaries} input canaries ({int(included.sum())} appended to the training set in {store})")
         # Every row, canaries (appended last) included: N is declared, not rounded down past them.
         size = f"privacy.dataset_size={n_train + int(included.sum())}"
-        run = pretrain(recipe_path, run_dir, overrides=[*overrides, f"data.store={store}", size], progress=progress,
-                       log=log, noise_seed_file=noise_seed_file, mechanism=f"audit/{kind}/run")
+        run = pretrain(
+            recipe_path,
+            run_dir,
+            overrides=[*overrides, f"data.store={store}", size],
+            progress=progress,
+            log=log,
+            noise_seed_file=noise_seed_file,
+            mechanism=f"audit/{kind}/run",
+        )
         # An audit model trained on canaries must not be released: drop the export and make
         # its ledger unreadable as a release ledger.
         shutil.rmtree(run_dir / "release", ignore_errors=True)
@@ -298,8 +352,14 @@ def run_audit(
         scores = pseudo_log_likelihood(run_dir / "hf", canaries, mask_id=manifest.mask_id)
         delta = ledger.delta + ledger.truncation_delta(float(run.epsilon))
         bound = audit_scores(scores, included, delta=min(delta, 1.0), confidence=confidence)
-        report = _report(kind, str(recipe_path), float(run.epsilon), bound, "pseudo_log_likelihood",
-                         _figures(scores, included, bound))
+        report = _report(
+            kind,
+            str(recipe_path),
+            float(run.epsilon),
+            bound,
+            "pseudo_log_likelihood",
+            _figures(scores, included, bound),
+        )
         with open(run_dir / "metrics.jsonl", "a") as f:
             record = {**report.to_dict(), "kind": "audit", "canary_kind": kind, "step": run.steps_done}
             f.write(json.dumps(record, sort_keys=True) + "\n")
@@ -323,8 +383,10 @@ def _figure_rows(report: AuditReport) -> list[tuple[str, str]]:
         *rows,
         (f"jax-privacy {jp.get('version')} AUROC", f"{jp['auroc']:.4g} (empirical)"),
         ("jax-privacy TPR at low FPR", f"{_tprs(jp['tpr_at_fpr'])} (empirical)"),
-        ("jax-privacy lower bounds", f"{jp['epsilon_lower_bound']:.4g} one-run, {jp['epsilon_lower_bound_fdp']:.4g} "
-                                     "f-DP one-run (empirical)"),
+        (
+            "jax-privacy lower bounds",
+            f"{jp['epsilon_lower_bound']:.4g} one-run, {jp['epsilon_lower_bound_fdp']:.4g} f-DP one-run (empirical)",
+        ),
     ]
 
 
@@ -335,8 +397,10 @@ def format_table(report: AuditReport) -> str:
         ("canaries (included)", f"{report.num_canaries} ({report.num_included})"),
         ("guesses (correct)", f"{report.num_guesses} ({report.num_correct}); k+={report.k_plus}, k-={report.k_minus}"),
         ("claimed epsilon", f"{report.epsilon_claimed:.4g} at delta {report.delta:g}"),
-        (f"lower bound ({100 * report.confidence:g}% conf.)",
-         f"{report.epsilon_lower_bound:.4g} (Bonferroni over {report.num_candidates} guess counts)"),
+        (
+            f"lower bound ({100 * report.confidence:g}% conf.)",
+            f"{report.epsilon_lower_bound:.4g} (Bonferroni over {report.num_candidates} guess counts)",
+        ),
         ("max over guess counts", f"{report.epsilon_lower_bound_max_over_k:.4g} (as the paper reports; uncorrected)"),
         ("score", report.score),
         *_figure_rows(report),
@@ -349,8 +413,14 @@ def format_table(report: AuditReport) -> str:
 def audit_main(args: Any) -> int:
     """`dpbert audit` entry point (argparse namespace from dpbert.cli)."""
     report = run_audit(
-        args.recipe, args.output_dir, num_canaries=args.canaries, kind=args.kind, overrides=args.set or (),
-        confidence=args.confidence, progress=not args.json, log=(lambda s: None) if args.json else print,
+        args.recipe,
+        args.output_dir,
+        num_canaries=args.canaries,
+        kind=args.kind,
+        overrides=args.set or (),
+        confidence=args.confidence,
+        progress=not args.json,
+        log=(lambda s: None) if args.json else print,
         noise_seed_file=args.noise_seed_file,
     )
     print(json.dumps(report.to_dict(), indent=2, sort_keys=True) if args.json else format_table(report))
@@ -359,6 +429,8 @@ def audit_main(args: Any) -> int:
 
         figure = add_audit(args.card, report.to_dict())
         if not args.json:
-            print(f"audited figure ({figure.kind} canaries, lower bound {figure.epsilon_lower_bound:.4g}) added to "
-                  f"{args.card}/privacy.json and README.md")
+            print(
+                f"audited figure ({figure.kind} canaries, lower bound {figure.epsilon_lower_bound:.4g}) added to "
+                f"{args.card}/privacy.json and README.md"
+            )
     return 0

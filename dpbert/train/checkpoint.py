@@ -108,11 +108,13 @@ class CheckpointStore:
             arrays = self._restore_legacy(step, path, abstract)
         else:
             try:
-                arrays = self._manager.restore(
-                    step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract))
-                )["state"]
+                arrays = self._manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract)))[
+                    "state"
+                ]
             except Exception as err:  # same reason as above
-                raise ValueError(f"checkpoint {path}: cannot restore its arrays ({type(err).__name__}: {err})") from None
+                raise ValueError(
+                    f"checkpoint {path}: cannot restore its arrays ({type(err).__name__}: {err})"
+                ) from None
         return TrainState(
             params=arrays["params"],
             opt_state=arrays["opt_state"],
@@ -125,9 +127,9 @@ class CheckpointStore:
         placed as `abstract` says (its shardings)."""
         try:
             per_layer = _map_states(abstract, unstack_layers)
-            arrays = self._manager.restore(
-                step, args=ocp.args.Composite(state=ocp.args.StandardRestore(per_layer))
-            )["state"]
+            arrays = self._manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(per_layer)))[
+                "state"
+            ]
             shardings = jax.tree.map(lambda x: getattr(x, "sharding", None), abstract)
             placed = all(s is not None for s in jax.tree.leaves(shardings, is_leaf=lambda s: s is None))
             stack = lambda a: _map_states(a, stack_layers)  # noqa: E731

@@ -132,8 +132,10 @@ class CompileReport:
             f"{self.flops_per_step:.4g} per step (all devices)",
         ]
         if self.peak_tflops_per_device is None or self.target_devices is None:
-            lines.append("ESTIMATE: none (set target.devices and target.peak_tflops_per_device, or pass "
-                         "--peak-tflops and --target-devices)")
+            lines.append(
+                "ESTIMATE: none (set target.devices and target.peak_tflops_per_device, or pass "
+                "--peak-tflops and --target-devices)"
+            )
             return "\n".join(lines)
         lines.append(
             f"ESTIMATE (not a measurement) on {self.target_hardware}: {self.target_devices} devices x "
@@ -165,8 +167,11 @@ def _physical(recipe: Recipe, stage_index: int, devices: int) -> int:
 
     mb = recipe.train.microbatch_size
     n = recipe.target.dataset_size
-    ledger = recipe.schedule[stage_index].expected_batch_size if n is None else (
-        ledger_physical_batch_sizes(recipe, n)[stage_index])
+    ledger = (
+        recipe.schedule[stage_index].expected_batch_size
+        if n is None
+        else (ledger_physical_batch_sizes(recipe, n)[stage_index])
+    )
     return device_batch_size(ledger, devices, mb)
 
 
@@ -213,9 +218,12 @@ def compile_step(
         optimizer = make_optimizer(r)
         abstract = abstract_state(r, config, optimizer, mesh)
         params_sh, opt_sh = abstract.shardings
-        masker = make_masker(vocab_size=config.vocab_size, mask_prob=r.data.mask_prob,
-                             num_predictions=max_predictions(r.data.seq_len, r.data.mask_prob),
-                             **_PLACEHOLDER_IDS)
+        masker = make_masker(
+            vocab_size=config.vocab_size,
+            mask_prob=r.data.mask_prob,
+            num_predictions=max_predictions(r.data.seq_len, r.data.mask_prob),
+            **_PLACEHOLDER_IDS,
+        )
         # Keys typed as the trainer's (Threefry-4x32 from a secret when private); a throwaway secret,
         # since compiling depends on the key's type only.
         masking_key, stage_keys = run_keys(r, randomness.draw_secret() if r.privacy.enabled else None, "pretrain")
@@ -232,8 +240,15 @@ def compile_step(
         if slots:
             batch[SEQUENCE_PADDING] = jax.ShapeDtypeStruct((rows, *slots), jnp.bool_, sharding=sharded)
         padding = jax.ShapeDtypeStruct((rows,), jnp.bool_, sharding=sharded)
-        step = make_step(r, loss_fn, optimizer, noise_multiplier=1.0, expected_batch_size=stage.expected_batch_size,
-                         mesh=mesh, shardings=abstract.shardings)
+        step = make_step(
+            r,
+            loss_fn,
+            optimizer,
+            noise_multiplier=1.0,
+            expected_batch_size=stage.expected_batch_size,
+            mesh=mesh,
+            shardings=abstract.shardings,
+        )
         args_state = (abstract.params, abstract.opt_state)
         key_arg = jax.ShapeDtypeStruct(key_sds.shape, key_sds.dtype, sharding=replicated(mesh))
         full = step.lower(*args_state, batch, padding, key_arg).compile()
@@ -242,14 +257,23 @@ def compile_step(
             import optax
 
             if r.privacy.enabled:
-                grads = privatize(grads, randomness.noise_key(key), clip_norm=r.privacy.clip_norm,
-                                  noise_multiplier=1.0, expected_batch_size=stage.expected_batch_size)
+                grads = privatize(
+                    grads,
+                    randomness.noise_key(key),
+                    clip_norm=r.privacy.clip_norm,
+                    noise_multiplier=1.0,
+                    expected_batch_size=stage.expected_batch_size,
+                )
             updates, opt_state = optimizer.update(grads, opt_state, params)
             return optax.apply_updates(params, updates), opt_state
 
-        update_c = jax.jit(
-            update, in_shardings=(params_sh, opt_sh, params_sh, replicated(mesh)), out_shardings=(params_sh, opt_sh)
-        ).lower(args_state[0], args_state[1], args_state[0], key_arg).compile()
+        update_c = (
+            jax.jit(
+                update, in_shardings=(params_sh, opt_sh, params_sh, replicated(mesh)), out_shardings=(params_sh, opt_sh)
+            )
+            .lower(args_state[0], args_state[1], args_state[0], key_arg)
+            .compile()
+        )
         return full, update_c, abstract, (params_sh, opt_sh)
 
     started = time.perf_counter()
@@ -283,8 +307,15 @@ def compile_step(
         rows = _physical(recipe, i, tdev or devices)
         flops = rows * per_example + (tdev or devices) * update_flops
         seconds = None if peak is None or tdev is None else flops / (tdev * peak * 1e12 * mfu)
-        estimates.append(StageEstimate(steps=s.steps, expected_batch_size=s.expected_batch_size,
-                                       physical_batch_size=rows, flops_per_step=flops, seconds_per_step=seconds))
+        estimates.append(
+            StageEstimate(
+                steps=s.steps,
+                expected_batch_size=s.expected_batch_size,
+                physical_batch_size=rows,
+                flops_per_step=flops,
+                seconds_per_step=seconds,
+            )
+        )
     return CompileReport(
         private=recipe.privacy.enabled,
         stage_index=stage_index,
@@ -293,7 +324,8 @@ def compile_step(
         microbatch_size=mb,
         mesh_shape=dict(mesh.shape),
         num_params=num_params,
-        state_bytes_per_device=bytes_per_device(abstract.params, params_sh) + bytes_per_device(abstract.opt_state, opt_sh),
+        state_bytes_per_device=bytes_per_device(abstract.params, params_sh)
+        + bytes_per_device(abstract.opt_state, opt_sh),
         argument_bytes=int(memory.argument_size_in_bytes),
         output_bytes=int(memory.output_size_in_bytes),
         alias_bytes=int(memory.alias_size_in_bytes),
@@ -319,9 +351,13 @@ def compile_main(args: Any) -> int:
     axes = {"data": recipe.mesh.data, "fsdp": recipe.mesh.fsdp, **parse_mesh_flags(args.mesh or ())}
     mesh = make_mesh(**axes)
     report = compile_step(
-        recipe, mesh, stage_index=args.stage, peak_tflops_per_device=args.peak_tflops,
-        target_devices=args.target_devices, assumed_mfu=args.assumed_mfu, log=print,
+        recipe,
+        mesh,
+        stage_index=args.stage,
+        peak_tflops_per_device=args.peak_tflops,
+        target_devices=args.target_devices,
+        assumed_mfu=args.assumed_mfu,
+        log=print,
     )
     print(json.dumps(report.to_dict()) if args.json else report.summary())
     return 0
-

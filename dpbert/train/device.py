@@ -74,18 +74,24 @@ class DeviceSettings:
 
     def describe(self) -> str:
         """One line for the run's log."""
-        head = (f"device: {self.backend}, micro-batch {self.microbatch_size}, {self.dtype} compute, "
-                f"ghost layer mode {self.layer_mode}")
+        head = (
+            f"device: {self.backend}, micro-batch {self.microbatch_size}, {self.dtype} compute, "
+            f"ghost layer mode {self.layer_mode}"
+        )
         if not self.schedule_seconds:
             return f"{head} (the recipe's micro-batch and layer mode, not measured)"
         sizes = ", ".join(f"{m}: {s:.3g} s" for m, s in self.schedule_seconds.items())
         modes = ", ".join(f"{k}: {1e3 * s:.1f} ms" for k, s in self.layer_mode_seconds.items())
-        return (f"{head} (measured on placeholder inputs; expected schedule time by micro-batch {sizes}"
-                + (f"; one micro-batch by layer mode {modes}" if modes else "") + ")")
+        return (
+            f"{head} (measured on placeholder inputs; expected schedule time by micro-batch {sizes}"
+            + (f"; one micro-batch by layer mode {modes}" if modes else "")
+            + ")"
+        )
 
 
-def expected_microbatches(microbatch_size: int, *, expected_batch_size: int, dataset_size: int,
-                          compiled_rows: int) -> float:
+def expected_microbatches(
+    microbatch_size: int, *, expected_batch_size: int, dataset_size: int, compiled_rows: int
+) -> float:
     """E[ceil(min(R, compiled_rows) / m)]: micro-batches a step runs when those holding only
     padding are skipped, R ~ Binomial(dataset_size, expected_batch_size / dataset_size) in its
     normal approximation (continuity-corrected), `compiled_rows` a multiple of m. A step of one
@@ -133,11 +139,17 @@ def device_settings(
     backend = backend or jax.default_backend()
     train = recipe.train
     if not is_accelerator(backend) or jax.process_count() > 1:
-        return DeviceSettings(backend=backend, microbatch_size=train.microbatch_size,
-                              dtype="bfloat16" if is_accelerator(backend) else train.dtype, layer_mode=train.layer_mode)
+        return DeviceSettings(
+            backend=backend,
+            microbatch_size=train.microbatch_size,
+            dtype="bfloat16" if is_accelerator(backend) else train.dtype,
+            layer_mode=train.layer_mode,
+        )
     if len(physical_batch_sizes) != len(recipe.schedule):
-        raise ValueError(f"physical_batch_sizes: expected one per schedule stage ({len(recipe.schedule)}), "
-                         f"got {list(physical_batch_sizes)}")
+        raise ValueError(
+            f"physical_batch_sizes: expected one per schedule stage ({len(recipe.schedule)}), "
+            f"got {list(physical_batch_sizes)}"
+        )
     largest = max(compiled_rows_per_device(p, devices, 1) for p in physical_batch_sizes)
     sizes = sorted({m for m in candidates if m <= largest} or {min(candidates)})
     budget = memory_budget_bytes if memory_budget_bytes is not None else _memory_budget()
@@ -146,10 +158,17 @@ def device_settings(
     seconds = _microbatch_seconds(recipe, loss, params, example, sizes, budget)
 
     def schedule_time(m: int) -> float:
-        return sum(stage.steps * seconds[m] * expected_microbatches(
-            m, expected_batch_size=stage.expected_batch_size, dataset_size=dataset_size,
-            compiled_rows=compiled_rows_per_device(physical, devices, m))
-            for stage, physical in zip(recipe.schedule, physical_batch_sizes))
+        return sum(
+            stage.steps
+            * seconds[m]
+            * expected_microbatches(
+                m,
+                expected_batch_size=stage.expected_batch_size,
+                dataset_size=dataset_size,
+                compiled_rows=compiled_rows_per_device(physical, devices, m),
+            )
+            for stage, physical in zip(recipe.schedule, physical_batch_sizes)
+        )
 
     schedule_seconds = {m: schedule_time(m) for m in seconds}
     best = min(schedule_seconds, key=schedule_seconds.get)
@@ -157,12 +176,20 @@ def device_settings(
     if ghost and len(layer_modes) > 1:
         for mode in layer_modes:
             # The recipe's own mode was just timed at this size.
-            mode_seconds[mode] = seconds[best] if mode == train.layer_mode else _microbatch_seconds(
-                recipe, dataclasses.replace(loss, layer_mode=mode), params, example, [best], None)[best]
+            mode_seconds[mode] = (
+                seconds[best]
+                if mode == train.layer_mode
+                else _microbatch_seconds(
+                    recipe, dataclasses.replace(loss, layer_mode=mode), params, example, [best], None
+                )[best]
+            )
     return DeviceSettings(
-        backend=backend, microbatch_size=best, dtype="bfloat16",
+        backend=backend,
+        microbatch_size=best,
+        dtype="bfloat16",
         layer_mode=min(mode_seconds, key=mode_seconds.get) if mode_seconds else train.layer_mode,
-        schedule_seconds=schedule_seconds, layer_mode_seconds=mode_seconds,
+        schedule_seconds=schedule_seconds,
+        layer_mode_seconds=mode_seconds,
     )
 
 
@@ -187,15 +214,18 @@ def _placeholder_problem(recipe: Recipe, config: Any, num_predictions: int, laye
     seq, pred = recipe.data.seq_len, num_predictions
     i32 = jnp.int32
     example = {
-        "input_ids": jax.ShapeDtypeStruct((seq,), i32), "attention_mask": jax.ShapeDtypeStruct((seq,), i32),
-        "masked_positions": jax.ShapeDtypeStruct((pred,), i32), "labels": jax.ShapeDtypeStruct((pred,), i32),
+        "input_ids": jax.ShapeDtypeStruct((seq,), i32),
+        "attention_mask": jax.ShapeDtypeStruct((seq,), i32),
+        "masked_positions": jax.ShapeDtypeStruct((pred,), i32),
+        "labels": jax.ShapeDtypeStruct((pred,), i32),
         "label_weights": jax.ShapeDtypeStruct((pred,), jnp.float32),
     }
     return params, example, MLMGhostLoss(graphdef=graphdef, layer_mode=layer_mode)
 
 
-def _microbatch_seconds(recipe: Recipe, loss: Any, params: Any, example: Any, sizes: Sequence[int],
-                        budget: int | None) -> dict[int, float]:
+def _microbatch_seconds(
+    recipe: Recipe, loss: Any, params: Any, example: Any, sizes: Sequence[int], budget: int | None
+) -> dict[int, float]:
     """Seconds of one micro-batch of each size that fits `budget`, for the gradient sum the
     recipe's step runs (clipped when private, plain otherwise), on placeholder inputs."""
     from dpbert.privacy.clipping import grad_sum

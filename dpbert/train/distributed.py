@@ -53,7 +53,9 @@ def initialize(
     # CPU processes exchange collectives through gloo (the TPU/GPU backends bring their own).
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(
-        coordinator_address=coordinator_address, num_processes=num_processes, process_id=process_id,
+        coordinator_address=coordinator_address,
+        num_processes=num_processes,
+        process_id=process_id,
         local_device_ids=local_device_ids,
     )
 
@@ -125,8 +127,15 @@ def local_document_batch(
     `padded_batch_size`, and its rows [documents, max_sequences_per_document, seq_len] (only the
     taken sequences are read; unused slots read row 0 and are masked by `sequence_padding`)."""
     padded, share = _process_share(physical_batch_size, padded_batch_size)
-    full = document_sample(run_key, step, document_offsets, expected_batch_size, physical_batch_size,
-                           max_sequences_per_document, num_documents=num_documents)
+    full = document_sample(
+        run_key,
+        step,
+        document_offsets,
+        expected_batch_size,
+        physical_batch_size,
+        max_sequences_per_document,
+        num_documents=num_documents,
+    )
     cap = max_sequences_per_document
     fields = {
         "indices": (np.zeros((padded, cap), np.int64), full.indices),

@@ -54,6 +54,7 @@ guarantee covers the selection. The dev set itself is not protected (its metrics
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import json
@@ -118,7 +119,12 @@ class OptimConfig:
 
     def __post_init__(self) -> None:
         _check(self.trainable in TRAINABLE, "trainable", "'all', 'bias', 'lora' or 'head'", self.trainable)
-        _check(self.learning_rate is None or self.learning_rate > 0, "learning_rate", "a positive number", self.learning_rate)
+        _check(
+            self.learning_rate is None or self.learning_rate > 0,
+            "learning_rate",
+            "a positive number",
+            self.learning_rate,
+        )
         _check(self.batch_size is None or self.batch_size > 0, "batch_size", "a positive integer", self.batch_size)
         _check(self.epochs is None or self.epochs > 0, "epochs", "a positive number", self.epochs)
         _check(self.dropout is None or 0.0 <= self.dropout < 1.0, "dropout", "null or a rate in [0, 1)", self.dropout)
@@ -188,8 +194,14 @@ class FinetuneConfig:
     microbatch_size: int = 64
     nonprivate: OptimConfig = OptimConfig(trainable="all", learning_rate=2e-5, batch_size=32, epochs=3.0)
     private: OptimConfig = OptimConfig(
-        trainable="bias", learning_rate=None, batch_size=None, epochs=None, dropout=0.0, warmup_fraction=0.0,
-        weight_decay=0.0, head_lr_multiplier=3.0,
+        trainable="bias",
+        learning_rate=None,
+        batch_size=None,
+        epochs=None,
+        dropout=0.0,
+        warmup_fraction=0.0,
+        weight_decay=0.0,
+        head_lr_multiplier=3.0,
     )
     privacy: PrivacyConfig = PrivacyConfig()
     lora: LoRAConfig = LoRAConfig()
@@ -206,8 +218,12 @@ class FinetuneConfig:
         for field in ("learning_rate", "batch_size", "epochs"):
             value = getattr(self.nonprivate, field)
             _check(value is not None, f"nonprivate.{field}", "a positive number (only DP values are derived)", value)
-        _check(not self.sweep.enabled or self.dp, "sweep.enabled", "false without dp (the sweep is a DP sweep)",
-               self.sweep.enabled)
+        _check(
+            not self.sweep.enabled or self.dp,
+            "sweep.enabled",
+            "false without dp (the sweep is a DP sweep)",
+            self.sweep.enabled,
+        )
 
     @property
     def optim(self) -> OptimConfig:
@@ -223,17 +239,17 @@ def _parse(cls: type, raw: Any, field: str) -> Any:
     kwargs = {}
     for key, value in raw.items():
         if key not in hints:
-            raise ValueError(f"finetune config field '{prefix}{key}': unknown field; expected one of {', '.join(hints)}")
+            raise ValueError(
+                f"finetune config field '{prefix}{key}': unknown field; expected one of {', '.join(hints)}"
+            )
         if dataclasses.is_dataclass(hints[key]):
             default = cls.__dataclass_fields__[key].default
             if isinstance(value, Mapping) and dataclasses.is_dataclass(default):
                 value = {**dataclasses.asdict(default), **value}  # a section overrides its defaults
             value = _parse(hints[key], value, f"{prefix}{key}")
         elif hints[key] in (float, float | None) and isinstance(value, int | str) and not isinstance(value, bool):
-            try:  # YAML reads 2e-5 as a string and 3 as an int
+            with contextlib.suppress(ValueError):  # YAML reads 2e-5 as a string and 3 as an int
                 value = float(value)
-            except ValueError:
-                pass
         kwargs[key] = value
     try:
         return cls(**kwargs)
@@ -298,9 +314,7 @@ def describe_trainable(subset: Trainable, config: FinetuneConfig, train_pooler: 
 
 def _decay_mask(params: nnx.State) -> Any:
     # BERT's convention: decay weight matrices only (Linear kernels), never biases, LayerNorm or embeddings.
-    return jax.tree_util.tree_map_with_path(
-        lambda path, _: getattr(path[-1], "key", None) == "kernel", params
-    )
+    return jax.tree_util.tree_map_with_path(lambda path, _: getattr(path[-1], "key", None) == "kernel", params)
 
 
 def count_params(params: Any) -> int:
@@ -324,8 +338,12 @@ def make_optimizer(optim: OptimConfig, total_steps: int, params: nnx.State) -> o
         return adamw
     # The new head (classifier, pooler) takes larger steps than the pretrained body.
     head = jax.tree_util.tree_map_with_path(
-        lambda path, _: getattr(path[0], "key", None) == "classifier" or getattr(path[1], "key", None) == "pooler"
-        if len(path) > 1 else getattr(path[0], "key", None) == "classifier", params
+        lambda path, _: (
+            getattr(path[0], "key", None) == "classifier" or getattr(path[1], "key", None) == "pooler"
+            if len(path) > 1
+            else getattr(path[0], "key", None) == "classifier"
+        ),
+        params,
     )
     return optax.chain(adamw, optax.masked(optax.scale(optim.head_lr_multiplier), head))
 
@@ -456,7 +474,10 @@ def _export(
     scope = _task_scope(task)
     task_guarantee = (
         Guarantee.from_ledger(
-            scope=scope, data=data, ledger=plan.ledger.to_dict(), randomness={"source": randomness},
+            scope=scope,
+            data=data,
+            ledger=plan.ledger.to_dict(),
+            randomness={"source": randomness},
             noise=noise_record(plan.ledger.to_dict(), coordinates=trained_parameters),
         )
         if plan is not None
@@ -498,8 +519,15 @@ def _export(
         model_index_results=tuple(
             {
                 "task": {"type": "text-classification", "name": "Text Classification"},
-                "dataset": {"type": "nyu-mll/glue", "name": f"GLUE {task.glue_dir}", "config": task.name, "split": split},
-                "metrics": [{"type": name, "value": float(value), "name": f"{split} {name}"} for name, value in metrics.items()],
+                "dataset": {
+                    "type": "nyu-mll/glue",
+                    "name": f"GLUE {task.glue_dir}",
+                    "config": task.name,
+                    "split": split,
+                },
+                "metrics": [
+                    {"type": name, "value": float(value), "name": f"{split} {name}"} for name, value in metrics.items()
+                ],
             }
             for split, metrics in dev.items()
         ),
@@ -552,9 +580,7 @@ def _load_model_and_tokenizer(task: glue.GlueTask, model: str, config: FinetuneC
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(tok_dir))
     except (OSError, ValueError) as err:
-        raise FileNotFoundError(
-            f"{tok_dir}: no tokenizer found ({err}); pass --set tokenizer=FOLDER"
-        ) from None
+        raise FileNotFoundError(f"{tok_dir}: no tokenizer found ({err}); pass --set tokenizer=FOLDER") from None
     return net, tokenizer, model_dir, fresh_pooler
 
 
@@ -592,7 +618,9 @@ def _nonprivate_train(
     while t < total_steps:
         epoch = t // steps_per_epoch
         # The epoch's order comes from the key of its first step, like all randomness of a step.
-        order = np.asarray(jax.random.permutation(jax.random.fold_in(jax.random.fold_in(run_key, t), _SHUFFLE_STREAM), n))
+        order = np.asarray(
+            jax.random.permutation(jax.random.fold_in(jax.random.fold_in(run_key, t), _SHUFFLE_STREAM), n)
+        )
         for b in range(steps_per_epoch):
             if t >= total_steps:
                 break
@@ -746,7 +774,13 @@ def _dp_train(
             return _example_loss(task, forward(params, frozen, example, rng), example["labels"])
 
         total, _ = clipped_grad_sum(
-            example_loss, trainable, batch, is_padding, example_key(key), clip_norm=clip_norm, microbatch_size=microbatch
+            example_loss,
+            trainable,
+            batch,
+            is_padding,
+            example_key(key),
+            clip_norm=clip_norm,
+            microbatch_size=microbatch,
         )
         grads = privatize(
             total, noise_key(key), clip_norm=clip_norm, noise_multiplier=plan.noise_multiplier,
@@ -758,7 +792,9 @@ def _dp_train(
     for t in range(plan.steps):
         sample = poisson_sample(run_key, t, n, plan.expected_batch_size, plan.physical_batch_size)
         batch = {k: v[sample.indices] for k, v in train.items()}
-        trainable, opt_state = step(trainable, opt_state, forward.frozen, batch, sample.is_padding, step_key(run_key, t))
+        trainable, opt_state = step(
+            trainable, opt_state, forward.frozen, batch, sample.is_padding, step_key(run_key, t)
+        )
         epoch, at_epoch_end = divmod(t + 1, plan.steps_per_epoch)
         if at_epoch_end == 0 and epoch % config.eval_every_epochs == 0 and t + 1 < plan.steps:
             on_epoch(epoch, t + 1, trainable)
@@ -803,7 +839,9 @@ def finetune(
     train_pooler = fresh_pooler if config.train_pooler is None else config.train_pooler
     source = source_privacy(model_dir, model)
     if _task_scope(task) in {g.scope for g in source.guarantees}:
-        raise ValueError(f"model {model}: already carries a '{_task_scope(task)}' guarantee (fine-tuned on {task.name})")
+        raise ValueError(
+            f"model {model}: already carries a '{_task_scope(task)}' guarantee (fine-tuned on {task.name})"
+        )
     encoded = {name: glue.encode(s, tokenizer, config.max_seq_len) for name, s in splits.items()}
     train = encoded["train"]
     n = len(train["labels"])
@@ -835,7 +873,9 @@ def finetune(
     }
     if optim.trainable == "lora":
         trained["lora"] = {"rank": config.lora.rank, "alpha": config.lora.alpha, "targets": list(config.lora.targets)}
-    log(f"[{task.name}] n={n} train examples; training {trained['description']}: {n_trained:,} of {n_total:,} parameters")
+    log(
+        f"[{task.name}] n={n} train examples; training {trained['description']}: {n_trained:,} of {n_total:,} parameters"
+    )
 
     evals_path = out / "evals.jsonl"
     evals_path.unlink(missing_ok=True)
@@ -848,7 +888,9 @@ def finetune(
     else:
         run_key = jax.random.key(config.seed)
 
-    def evaluate_all(epoch: float, step: int, current: nnx.State, run: int | None = None) -> dict[str, dict[str, float]]:
+    def evaluate_all(
+        epoch: float, step: int, current: nnx.State, run: int | None = None
+    ) -> dict[str, dict[str, float]]:
         results = {}
         extra = {} if run is None else {"run": run}
         for split in task.eval_splits:
@@ -879,8 +921,9 @@ def finetune(
         steps = plan.steps
         privacy = plan.summary()
     else:
-        trainable, steps = _nonprivate_train(forward, trainable, task, train, optim, run_key, evaluate_all,
-                                             eval_every_epochs=config.eval_every_epochs)
+        trainable, steps = _nonprivate_train(
+            forward, trainable, task, train, optim, run_key, evaluate_all, eval_every_epochs=config.eval_every_epochs
+        )
 
     if sweep is None:
         final = evaluate_all(float(optim.epochs), steps, trainable)
@@ -968,8 +1011,15 @@ def finetune_all(
     """Run every task found under a GLUE root folder into OUT/<task>/ and log one table."""
     results = {}
     for name, folder in glue.find_tasks(glue_root).items():
-        results[name] = finetune(task=name, model=model, output_dir=Path(output_dir) / name, data=folder, config=config,
-                                 log=log, noise_seed_file=noise_seed_file)
+        results[name] = finetune(
+            task=name,
+            model=model,
+            output_dir=Path(output_dir) / name,
+            data=folder,
+            config=config,
+            log=log,
+            noise_seed_file=noise_seed_file,
+        )
     log(summary_table(results.values()))
     return results
 
@@ -999,9 +1049,8 @@ def read_results(output_root: str | os.PathLike[str]) -> list[dict[str, Any]]:
 def main(args: Any) -> int:
     """`dpbert finetune`: flags -> `FinetuneConfig` (recipe, then --set, then --dp/--epsilon/--delta)."""
     overrides = list(args.set or [])
-    if args.epsilon is not None or args.delta is not None:
-        if not args.dp:
-            raise ValueError("--epsilon/--delta: only meaningful with --dp")
+    if (args.epsilon is not None or args.delta is not None) and not args.dp:
+        raise ValueError("--epsilon/--delta: only meaningful with --dp")
     if args.dp:
         overrides.append("dp=true")
     mode = "private" if args.dp else "nonprivate"
@@ -1023,8 +1072,13 @@ def main(args: Any) -> int:
     if args.task == "all":
         if args.data_dir is None:
             raise ValueError("--data-dir: --task all needs a GLUE root folder (CoLA/, SST-2/, ...)")
-        finetune_all(model=args.model, output_dir=args.output_dir, glue_root=args.data_dir, config=config,
-                     noise_seed_file=args.noise_seed_file)
+        finetune_all(
+            model=args.model,
+            output_dir=args.output_dir,
+            glue_root=args.data_dir,
+            config=config,
+            noise_seed_file=args.noise_seed_file,
+        )
     else:
         result = finetune(
             task=args.task, model=args.model, output_dir=args.output_dir,

@@ -98,11 +98,11 @@ from dpbert.privacy.accounting import (
     PRIVACY_UNIT,
     round_down_significant,
 )
-from dpbert.privacy.dp_step import StepFn
 from dpbert.privacy.documents import SEQUENCE_PADDING
-from dpbert.privacy.sampling import check_document_offsets
-from dpbert.privacy.randomness import SECRET_FILE, RunSecret, mechanism_key, read_secret, run_secret
+from dpbert.privacy.dp_step import StepFn
 from dpbert.privacy.ghost_clipping import MLMGhostLoss
+from dpbert.privacy.randomness import SECRET_FILE, RunSecret, mechanism_key, read_secret, run_secret
+from dpbert.privacy.sampling import check_document_offsets
 from dpbert.train import distributed
 from dpbert.train.checkpoint import CheckpointStore
 from dpbert.train.device import device_settings
@@ -154,16 +154,25 @@ def max_predictions(seq_len: int, mask_prob: float) -> int:
 
 
 def make_masker(
-    *, vocab_size: int, mask_token_id: int, special_token_ids: tuple[int, ...], pad_id: int,
-    mask_prob: float, num_predictions: int,
+    *,
+    vocab_size: int,
+    mask_token_id: int,
+    special_token_ids: tuple[int, ...],
+    pad_id: int,
+    mask_prob: float,
+    num_predictions: int,
 ) -> Callable[[jax.Array, jax.Array, jax.Array, jax.Array], dict[str, jax.Array]]:
     """`(run_key, step, store_index, input_ids [L]) -> model inputs and MLM targets` for ONE
     example, masked with `example_mask_key(run_key, step, store_index)`. Pure; vmap it."""
 
     def masker(run_key: jax.Array, step: jax.Array, index: jax.Array, ids: jax.Array) -> dict[str, jax.Array]:
         masked, labels, weights = mask_tokens(
-            example_mask_key(run_key, step, index), ids, vocab_size=vocab_size, mask_token_id=mask_token_id,
-            special_token_ids=special_token_ids, mask_prob=mask_prob,
+            example_mask_key(run_key, step, index),
+            ids,
+            vocab_size=vocab_size,
+            mask_token_id=mask_token_id,
+            special_token_ids=special_token_ids,
+            mask_prob=mask_prob,
         )
         (positions,) = jnp.nonzero(weights, size=num_predictions, fill_value=0)
         # Position 0 is [CLS], never selected: filler slots read weight 0 there.
@@ -188,7 +197,13 @@ def make_loss_fn(
     def loss_fn(params: Any, example: dict[str, jax.Array], rng: jax.Array) -> jax.Array:
         x = masker(run_key, example["step"], example["index"], example["input_ids"])
         logits = functional.mlm_logits(
-            graphdef, params, x["input_ids"], x["attention_mask"], None, rng, masked_positions=x["masked_positions"],
+            graphdef,
+            params,
+            x["input_ids"],
+            x["attention_mask"],
+            None,
+            rng,
+            masked_positions=x["masked_positions"],
         )
         ce = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), x["labels"])
         w = x["label_weights"]
@@ -210,8 +225,9 @@ class MaskedMLMGhostLoss(MLMGhostLoss):
             x = self.masker(self.run_key, example["step"], example["index"], example["input_ids"])
             return super().tapped(params, x, rng, z)
         # A document ([K, L] sequences): each sequence masked with its own store index, as alone.
-        x = jax.vmap(self.masker, in_axes=(None, 0, 0, 0))(self.run_key, example["step"], example["index"],
-                                                           example["input_ids"])
+        x = jax.vmap(self.masker, in_axes=(None, 0, 0, 0))(
+            self.run_key, example["step"], example["index"], example["input_ids"]
+        )
         return super().tapped(params, {**x, SEQUENCE_PADDING: example[SEQUENCE_PADDING]}, rng, z)
 
 
@@ -225,18 +241,29 @@ def make_eval_fn(
     eval_key = jax.random.key(EVAL_MASK_KEY_SEED)
 
     @jax.jit
-    def eval_fn(params: Any, indices: jax.Array, input_ids: jax.Array, valid: jax.Array,
-                unigram_token: jax.Array) -> dict[str, jax.Array]:
+    def eval_fn(
+        params: Any, indices: jax.Array, input_ids: jax.Array, valid: jax.Array, unigram_token: jax.Array
+    ) -> dict[str, jax.Array]:
         x = jax.vmap(masker, in_axes=(None, None, 0, 0))(eval_key, 0, indices, input_ids)
         logits = functional.mlm_logits(
-            graphdef, params, x["input_ids"], x["attention_mask"], None, None, masked_positions=x["masked_positions"],
+            graphdef,
+            params,
+            x["input_ids"],
+            x["attention_mask"],
+            None,
+            None,
+            masked_positions=x["masked_positions"],
         ).astype(jnp.float32)
         w = x["label_weights"] * valid[:, None]
         ce = optax.softmax_cross_entropy_with_integer_labels(logits, x["labels"])
         correct = (jnp.argmax(logits, -1) == x["labels"]).astype(jnp.float32)
         unigram = (x["labels"] == unigram_token).astype(jnp.float32)
-        return {"correct": jnp.sum(correct * w), "loss": jnp.sum(ce * w), "count": jnp.sum(w),
-                "unigram_correct": jnp.sum(unigram * w)}
+        return {
+            "correct": jnp.sum(correct * w),
+            "loss": jnp.sum(ce * w),
+            "count": jnp.sum(w),
+            "unigram_correct": jnp.sum(unigram * w),
+        }
 
     return eval_fn
 
@@ -275,7 +302,9 @@ def ledger_physical_batch_sizes(recipe: Recipe, dataset_size: int) -> tuple[int,
     if not p.enabled:
         return tuple(physical_batch_size(s.expected_batch_size, dataset_size, multiple=mb) for s in recipe.schedule)
     eps_bound = p.target_epsilon if p.target_epsilon is not None else 50.0
-    per_step = 0.5 * MAX_TRUNCATION_DELTA_FRACTION * p.delta / ((1 + math.exp(min(eps_bound, 700.0))) * recipe.total_steps)
+    per_step = (
+        0.5 * MAX_TRUNCATION_DELTA_FRACTION * p.delta / ((1 + math.exp(min(eps_bound, 700.0))) * recipe.total_steps)
+    )
     return tuple(
         physical_batch_size(s.expected_batch_size, dataset_size, overflow_probability_bound=per_step, multiple=mb)
         for s in recipe.schedule
@@ -300,8 +329,10 @@ def public_dataset_size(recipe: Recipe, available: int) -> tuple[int, str]:
         return round_down_significant(available), "rounded"
     if declared > available:
         units = "documents" if recipe.privacy.unit == "document" else "sequences"
-        raise ValueError(f"recipe field 'privacy.dataset_size': {declared} exceeds the {available} training "
-                         f"{units} of the token store")
+        raise ValueError(
+            f"recipe field 'privacy.dataset_size': {declared} exceeds the {available} training "
+            f"{units} of the token store"
+        )
     return declared, "declared"
 
 
@@ -316,26 +347,39 @@ def make_plan(recipe: Recipe, dataset_size: int, *, dataset_size_source: str = "
                 f"recipe field 'schedule[{i}].expected_batch_size': {s.expected_batch_size} exceeds the "
                 f"{dataset_size} training {'documents' if p.unit == 'document' else 'examples'} of the token store"
             )
-    base = BatchSchedule(stages=tuple(
-        Stage(steps=s.steps, expected_batch_size=s.expected_batch_size, noise_multiplier=p.noise_multiplier or 1.0)
-        for s in recipe.schedule
-    ))
+    base = BatchSchedule(
+        stages=tuple(
+            Stage(steps=s.steps, expected_batch_size=s.expected_batch_size, noise_multiplier=p.noise_multiplier or 1.0)
+            for s in recipe.schedule
+        )
+    )
     physical = ledger_physical_batch_sizes(recipe, dataset_size)
     if not p.enabled:
-        return Plan(schedule=base.with_noise_multipliers([0.0] * len(base.stages)), physical_batch_sizes=physical,
-                    ledger=None)
+        return Plan(
+            schedule=base.with_noise_multipliers([0.0] * len(base.stages)), physical_batch_sizes=physical, ledger=None
+        )
     if p.noise_multiplier is None:
         schedule = calibrate_noise_multiplier(
-            base, dataset_size=dataset_size, target_epsilon=p.target_epsilon, delta=p.delta,
-            accountant=p.accountant, per_stage=p.calibrate == "per_stage",
+            base,
+            dataset_size=dataset_size,
+            target_epsilon=p.target_epsilon,
+            delta=p.delta,
+            accountant=p.accountant,
+            per_stage=p.calibrate == "per_stage",
         )
     else:
         schedule = base
     document = p.unit == "document"
     ledger = PrivacyLedger.for_schedule(
-        schedule, dataset_size=dataset_size, delta=p.delta, clip_norm=p.clip_norm, accountant=p.accountant,
-        physical_batch_sizes=list(physical), target_epsilon=p.target_epsilon,
-        dataset_size_source=dataset_size_source, privacy_unit=DOCUMENT_UNIT if document else PRIVACY_UNIT,
+        schedule,
+        dataset_size=dataset_size,
+        delta=p.delta,
+        clip_norm=p.clip_norm,
+        accountant=p.accountant,
+        physical_batch_sizes=list(physical),
+        target_epsilon=p.target_epsilon,
+        dataset_size_source=dataset_size_source,
+        privacy_unit=DOCUMENT_UNIT if document else PRIVACY_UNIT,
         max_sequences_per_document=p.max_sequences_per_document if document else None,
     )
     ledger.check_budget()
@@ -359,13 +403,19 @@ def bert_config(recipe: Recipe, tokenizer_vocab_size: int | None = None) -> Any:
         )
     vocab_size = m.vocab_size or tokenizer_vocab_size
     if vocab_size is None:
-        raise ValueError("recipe field 'model.vocab_size': needed here (null means the tokenizer's size, which is "
-                         "only known once the data is prepared)")
+        raise ValueError(
+            "recipe field 'model.vocab_size': needed here (null means the tokenizer's size, which is "
+            "only known once the data is prepared)"
+        )
     return BertConfig(
-        vocab_size=vocab_size, hidden_size=m.hidden_size, num_hidden_layers=m.num_hidden_layers,
-        num_attention_heads=m.num_attention_heads, intermediate_size=m.intermediate_size,
+        vocab_size=vocab_size,
+        hidden_size=m.hidden_size,
+        num_hidden_layers=m.num_hidden_layers,
+        num_attention_heads=m.num_attention_heads,
+        intermediate_size=m.intermediate_size,
         max_position_embeddings=m.max_position_embeddings or recipe.data.seq_len,
-        hidden_dropout_prob=m.hidden_dropout_prob, attention_probs_dropout_prob=m.attention_probs_dropout_prob,
+        hidden_dropout_prob=m.hidden_dropout_prob,
+        attention_probs_dropout_prob=m.attention_probs_dropout_prob,
     )
 
 
@@ -386,12 +436,10 @@ class AbstractState:
     @property
     def shardings(self) -> tuple[Any, Any]:
         """(params, opt_state) NamedSharding pytrees, as the step takes them."""
-        get = lambda tree: jax.tree_util.tree_map(lambda x: x.sharding, tree)
-        return get(self.params), get(self.opt_state)
+        return tuple(jax.tree_util.tree_map(lambda x: x.sharding, tree) for tree in (self.params, self.opt_state))
 
 
-def abstract_state(recipe: Recipe, config: Any, optimizer: optax.GradientTransformation, mesh: Mesh
-                   ) -> AbstractState:
+def abstract_state(recipe: Recipe, config: Any, optimizer: optax.GradientTransformation, mesh: Mesh) -> AbstractState:
     """The run's state as `jax.eval_shape` sees it, placed by `dpbert.train.mesh.state_shardings`."""
     dtype = jnp.bfloat16 if recipe.train.dtype == "bfloat16" else jnp.float32
 
@@ -402,14 +450,14 @@ def abstract_state(recipe: Recipe, config: Any, optimizer: optax.GradientTransfo
     opt_state = jax.eval_shape(optimizer.init, params)
 
     def place(tree: Any) -> Any:
-        return jax.tree_util.tree_map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-                                      tree, state_shardings(tree, mesh))
+        return jax.tree_util.tree_map(
+            lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, state_shardings(tree, mesh)
+        )
 
     return AbstractState(graphdef=graphdef, params=place(params), opt_state=place(opt_state), build=build)
 
 
-def init_state(recipe: Recipe, abstract: AbstractState, optimizer: optax.GradientTransformation
-               ) -> tuple[Any, Any]:
+def init_state(recipe: Recipe, abstract: AbstractState, optimizer: optax.GradientTransformation) -> tuple[Any, Any]:
     """Fresh params (random init, or `model.init_from`'s weights) and optimizer state, created
     directly in their shardings: each device computes or receives only its shards."""
     params_sh, opt_sh = abstract.shardings
@@ -419,41 +467,61 @@ def init_state(recipe: Recipe, abstract: AbstractState, optimizer: optax.Gradien
     else:
         dtype = jnp.bfloat16 if recipe.train.dtype == "bfloat16" else jnp.float32
         loaded = BertForMaskedLM.from_pretrained(
-            m.init_from, dtype=dtype, seed=recipe.train.seed,
-            hidden_dropout_prob=m.hidden_dropout_prob, attention_probs_dropout_prob=m.attention_probs_dropout_prob,
+            m.init_from,
+            dtype=dtype,
+            seed=recipe.train.seed,
+            hidden_dropout_prob=m.hidden_dropout_prob,
+            attention_probs_dropout_prob=m.attention_probs_dropout_prob,
         )
         host = jax.device_get(functional.split_params(loaded)[1])
         params = jax.tree_util.tree_map(distributed.from_host, host, params_sh)
     return params, jax.jit(optimizer.init, out_shardings=opt_sh)(params)
 
 
-def make_mlm_loss(recipe: Recipe, graphdef: nnx.GraphDef, masker: Callable[..., dict[str, jax.Array]],
-                  run_key: jax.Array) -> Any:
+def make_mlm_loss(
+    recipe: Recipe, graphdef: nnx.GraphDef, masker: Callable[..., dict[str, jax.Array]], run_key: jax.Array
+) -> Any:
     """The per-example masked-LM loss the step clips: with layer taps (ghost clipping) unless
     the run is non-private or `train.clipping` is "vmap". With `privacy.unit: document` an
     example is a document (`dpbert.privacy.documents`) and the loss is always the tapped one,
     a plain loss too, so that both clipping paths clip the same function."""
     if recipe.privacy.enabled and (recipe.train.clipping != "vmap" or recipe.privacy.unit == "document"):
-        return MaskedMLMGhostLoss(graphdef=graphdef, masker=masker, run_key=run_key,
-                                  layer_mode=recipe.train.layer_mode)
+        return MaskedMLMGhostLoss(graphdef=graphdef, masker=masker, run_key=run_key, layer_mode=recipe.train.layer_mode)
     return make_loss_fn(graphdef, masker, run_key)
 
 
-def make_step(recipe: Recipe, loss_fn: Any, optimizer: optax.GradientTransformation, *, noise_multiplier: float,
-              expected_batch_size: int, mesh: Mesh, shardings: tuple[Any, Any]) -> StepFn:
+def make_step(
+    recipe: Recipe,
+    loss_fn: Any,
+    optimizer: optax.GradientTransformation,
+    *,
+    noise_multiplier: float,
+    expected_batch_size: int,
+    mesh: Mesh,
+    shardings: tuple[Any, Any],
+) -> StepFn:
     """The jitted step of one schedule stage exactly as the trainer runs it (and as
     `dpbert pretrain --compile-only` compiles it): batch split over all mesh axes, state in
     `shardings`, params and optimizer state donated."""
-    common: dict[str, Any] = {"microbatch_size": recipe.train.microbatch_size, "mesh": mesh,
-                              "data_axis": batch_axes(mesh), "state_shardings": shardings}
+    common: dict[str, Any] = {
+        "microbatch_size": recipe.train.microbatch_size,
+        "mesh": mesh,
+        "data_axis": batch_axes(mesh),
+        "state_shardings": shardings,
+    }
     if not recipe.privacy.enabled:
         return make_train_step(loss_fn, optimizer, **common)
     if recipe.train.clipping == "auto" and jax.process_count() > 1:
         # "auto" times both methods on each host; hosts could pick different programs.
         raise ValueError("recipe field 'train.clipping': 'auto' is single-process only; choose ghost or vmap")
     return make_dp_train_step(
-        loss_fn, optimizer, clip_norm=recipe.privacy.clip_norm, noise_multiplier=noise_multiplier,
-        expected_batch_size=expected_batch_size, clipping_method=recipe.train.clipping, **common,
+        loss_fn,
+        optimizer,
+        clip_norm=recipe.privacy.clip_norm,
+        noise_multiplier=noise_multiplier,
+        expected_batch_size=expected_batch_size,
+        clipping_method=recipe.train.clipping,
+        **common,
     )
 
 
@@ -502,8 +570,7 @@ class _StopFlag:
             signal.signal(signal.SIGTERM, self._previous)
 
 
-def unigram_token(store: TokenStore, dataset_size: int, special_token_ids: Iterable[int], *,
-                  chunk: int = 8192) -> int:
+def unigram_token(store: TokenStore, dataset_size: int, special_token_ids: Iterable[int], *, chunk: int = 8192) -> int:
     """The most frequent non-special token among the first `dataset_size` train sequences: the
     unigram baseline predicts it at every masked position. NOT covered by the DP guarantee (a
     statistic of the private corpus, reported as a diagnostic beside the private accuracy)."""
@@ -515,8 +582,16 @@ def unigram_token(store: TokenStore, dataset_size: int, special_token_ids: Itera
     return int(np.argmax(counts))
 
 
-def evaluate(params: Any, eval_fn: Callable[..., Any], store: TokenStore, *, batches: int, batch_size: int,
-             mesh: Mesh | None = None, unigram: int = 0) -> dict[str, float]:
+def evaluate(
+    params: Any,
+    eval_fn: Callable[..., Any],
+    store: TokenStore,
+    *,
+    batches: int,
+    batch_size: int,
+    mesh: Mesh | None = None,
+    unigram: int = 0,
+) -> dict[str, float]:
     """Held-out MLM accuracy and loss on the first `batches * batch_size` eval examples (every
     process reads the same rows; with `mesh`, they enter the computation replicated on it), and
     the accuracy of always predicting token `unigram` on the same masked positions."""
@@ -529,8 +604,12 @@ def evaluate(params: Any, eval_fn: Callable[..., Any], store: TokenStore, *, bat
         idx = np.arange(start, start + batch_size)
         valid = idx < n
         idx = np.where(valid, idx, 0)
-        args = (idx.astype(np.int32), np.asarray(store[idx], np.int32), valid.astype(np.float32),
-                np.asarray(unigram, np.int32))
+        args = (
+            idx.astype(np.int32),
+            np.asarray(store[idx], np.int32),
+            valid.astype(np.float32),
+            np.asarray(unigram, np.int32),
+        )
         out = eval_fn(params, *(distributed.replicate(args, mesh) if mesh is not None else map(jnp.asarray, args)))
         for k in totals:
             totals[k] += float(out[k])
@@ -557,11 +636,18 @@ def fill_mask(
     for sentence, row in zip(sentences, ids, strict=True):
         where = np.flatnonzero(row == tokenizer.mask_token_id)
         if where.size != 1:
-            raise ValueError(f"fill-mask sentence {sentence!r}: expected exactly one {tokenizer.mask_token} "
-                             f"within the first {seq_len} tokens")
+            raise ValueError(
+                f"fill-mask sentence {sentence!r}: expected exactly one {tokenizer.mask_token} "
+                f"within the first {seq_len} tokens"
+            )
         positions.append(where[:1])
     logits = jax.jit(functional.mlm_logits, static_argnums=0)(
-        graphdef, params, jnp.asarray(ids), jnp.asarray(enc["attention_mask"]), None, None,
+        graphdef,
+        params,
+        jnp.asarray(ids),
+        jnp.asarray(enc["attention_mask"]),
+        None,
+        None,
         masked_positions=jnp.asarray(np.stack(positions), jnp.int32),
     )
     probs = np.asarray(jax.nn.softmax(logits[:, 0].astype(jnp.float32), axis=-1))
@@ -607,7 +693,9 @@ def pretrain(
         )
     run_dir.mkdir(parents=True, exist_ok=True)
     if not recipe.privacy.enabled and noise_seed_file is not None:
-        raise ValueError("--noise-seed-file: the recipe is non-private (privacy.enabled: false); there is no noise to seed")
+        raise ValueError(
+            "--noise-seed-file: the recipe is non-private (privacy.enabled: false); there is no noise to seed"
+        )
 
     # --- data
     store_dir = Path(recipe.data.store) if recipe.data.store else run_dir / "store"
@@ -615,10 +703,14 @@ def pretrain(
 
     def prepare() -> Any:
         return prepare_store(
-            store_dir, corpus=recipe.data.corpus, tokenizer=resolve_tokenizer(recipe.data.tokenizer),
+            store_dir,
+            corpus=recipe.data.corpus,
+            tokenizer=resolve_tokenizer(recipe.data.tokenizer),
             seq_len=recipe.data.seq_len,
-            eval_fraction=recipe.data.eval_fraction, seed=recipe.data.split_seed,
-            train_vocab_size=recipe.data.train_vocab_size, num_proc=recipe.data.num_proc,
+            eval_fraction=recipe.data.eval_fraction,
+            seed=recipe.data.split_seed,
+            train_vocab_size=recipe.data.train_vocab_size,
+            num_proc=recipe.data.num_proc,
         )
 
     # Process 0 builds the store (on storage every host sees); the others then find it ready.
@@ -635,16 +727,22 @@ def pretrain(
         offsets = check_document_offsets(offsets[: n_train + 1])  # an empty document is refused here
     n_sequences = n_train if offsets is None else int(offsets[-1])
     unigram = unigram_token(train_store, n_sequences, manifest.special_token_ids)
-    log(f"data: {len(train_store)} train / {len(eval_store)} held-out sequences of {manifest.seq_len} tokens "
+    log(
+        f"data: {len(train_store)} train / {len(eval_store)} held-out sequences of {manifest.seq_len} tokens "
         f"({manifest.source}; vocabulary {manifest.vocab_origin}, {manifest.vocab_size} tokens) "
-        f"[{time.perf_counter() - t0:.0f} s]")
+        f"[{time.perf_counter() - t0:.0f} s]"
+    )
     units = "sequences" if offsets is None else "documents"
     if n_source != "exact":
-        log(f"data: sampling from the first {n_train} {units}, the public dataset size N of q = B/N "
-            f"({'declared in the recipe' if n_source == 'declared' else 'rounded down to 2 significant digits'})")
+        log(
+            f"data: sampling from the first {n_train} {units}, the public dataset size N of q = B/N "
+            f"({'declared in the recipe' if n_source == 'declared' else 'rounded down to 2 significant digits'})"
+        )
     if offsets is not None:
-        log(f"privacy unit: one document ({n_train} documents, {n_sequences} sequences; at most "
-            f"{recipe.privacy.max_sequences_per_document} sequences of a sampled document per step)")
+        log(
+            f"privacy unit: one document ({n_train} documents, {n_sequences} sequences; at most "
+            f"{recipe.privacy.max_sequences_per_document} sequences of a sampled document per step)"
+        )
 
     # --- devices, model and optimizer
     mesh = make_mesh(data=recipe.mesh.data, fsdp=recipe.mesh.fsdp)
@@ -658,8 +756,12 @@ def pretrain(
     written = recipe
     if recipe.train.tune_for_device and offsets is None:  # document batches keep the recipe's micro-batch
         settings = device_settings(
-            recipe, config, num_predictions=max_predictions(manifest.seq_len, recipe.data.mask_prob),
-            dataset_size=n_train, physical_batch_sizes=plan.physical_batch_sizes, devices=devices,
+            recipe,
+            config,
+            num_predictions=max_predictions(manifest.seq_len, recipe.data.mask_prob),
+            dataset_size=n_train,
+            physical_batch_sizes=plan.physical_batch_sizes,
+            devices=devices,
         )
         recipe = dataclasses.replace(recipe, train=settings.apply(recipe.train))
         log(settings.describe())
@@ -674,20 +776,27 @@ def pretrain(
         secret = secret or read_secret(ckpt_dir / SECRET_FILE)  # the other processes read process 0's
     masking_key, stage_keys = run_keys(recipe, secret, mechanism)
     masker = make_masker(
-        vocab_size=vocab_size, mask_token_id=manifest.mask_id, special_token_ids=tuple(manifest.special_token_ids),
-        pad_id=manifest.pad_id, mask_prob=recipe.data.mask_prob,
+        vocab_size=vocab_size,
+        mask_token_id=manifest.mask_id,
+        special_token_ids=tuple(manifest.special_token_ids),
+        pad_id=manifest.pad_id,
+        mask_prob=recipe.data.mask_prob,
         num_predictions=max_predictions(manifest.seq_len, recipe.data.mask_prob),
     )
     loss_fn = make_mlm_loss(recipe, graphdef, masker, masking_key)
     eval_fn = make_eval_fn(graphdef, masker)
     mb = recipe.train.microbatch_size
     device_batches = tuple(device_batch_size(b, devices, mb) for b in plan.physical_batch_sizes)
-    log(f"devices: mesh {' x '.join(f'{k}={v}' for k, v in mesh.shape.items())} over {jax.process_count()} "
-        f"process(es); compiled batch per stage {', '.join(map(str, device_batches))}")
+    log(
+        f"devices: mesh {' x '.join(f'{k}={v}' for k, v in mesh.shape.items())} over {jax.process_count()} "
+        f"process(es); compiled batch per stage {', '.join(map(str, device_batches))}"
+    )
     if plan.ledger is not None:
         sigmas = ", ".join(f"{s.noise_multiplier:.4g}" for s in plan.schedule.stages)
-        log(f"privacy: DP-SGD, clip norm {recipe.privacy.clip_norm}, noise multiplier(s) {sigmas}, "
-            f"planned epsilon {plan.ledger.epsilon():.3f} at delta {recipe.privacy.delta:g} ({recipe.privacy.accountant})")
+        log(
+            f"privacy: DP-SGD, clip norm {recipe.privacy.clip_norm}, noise multiplier(s) {sigmas}, "
+            f"planned epsilon {plan.ledger.epsilon():.3f} at delta {recipe.privacy.delta:g} ({recipe.privacy.accountant})"
+        )
     else:
         log("privacy: NOT private (baseline: no clipping, no noise)")
 
@@ -703,8 +812,9 @@ def pretrain(
     checkpoints = CheckpointStore(ckpt_dir, keep=recipe.train.keep_checkpoints)
     metrics_path = run_dir / "metrics.jsonl"
     if resume and checkpoints.latest_step() is not None:
-        like = TrainState(params=abstract.params, opt_state=abstract.opt_state, step=0,
-                          ledger_json=ledger_text(plan.ledger_after(0)))
+        like = TrainState(
+            params=abstract.params, opt_state=abstract.opt_state, step=0, ledger_json=ledger_text(plan.ledger_after(0))
+        )
         state = checkpoints.restore(like, fingerprints)
         if state.step > recipe.total_steps:
             raise ValueError(
@@ -744,8 +854,15 @@ def pretrain(
             write_json(run_dir / "privacy.json", state.ledger)
 
     def run_eval(state: TrainState) -> dict[str, float]:
-        result = evaluate(state.params, eval_fn, eval_store, batches=recipe.train.eval_batches,
-                          batch_size=recipe.train.eval_batch_size, mesh=mesh, unigram=unigram)
+        result = evaluate(
+            state.params,
+            eval_fn,
+            eval_store,
+            batches=recipe.train.eval_batches,
+            batch_size=recipe.train.eval_batch_size,
+            mesh=mesh,
+            unigram=unigram,
+        )
         if metrics is not None:
             metrics.write({"kind": "eval", "step": state.step, **result})
         return {"step": state.step, **result}
@@ -758,14 +875,22 @@ def pretrain(
                 stage = pos.stage
                 if pos.index not in step_fns:
                     step_fns[pos.index] = make_step(
-                        recipe, loss_fn, optimizer, noise_multiplier=stage.noise_multiplier,
-                        expected_batch_size=stage.expected_batch_size, mesh=mesh, shardings=abstract.shardings,
+                        recipe,
+                        loss_fn,
+                        optimizer,
+                        noise_multiplier=stage.noise_multiplier,
+                        expected_batch_size=stage.expected_batch_size,
+                        mesh=mesh,
+                        shardings=abstract.shardings,
                     )
                 tick = time.perf_counter()
                 # This process's rows only; the ledger's truncation size, padded for the mesh.
                 if offsets is None:
                     sample, rows = distributed.local_batch(
-                        train_store, stage_keys[pos.index], t, dataset_size=n_train,
+                        train_store,
+                        stage_keys[pos.index],
+                        t,
+                        dataset_size=n_train,
                         expected_batch_size=stage.expected_batch_size,
                         physical_batch_size=plan.physical_batch_sizes[pos.index],
                         padded_batch_size=device_batches[pos.index],
@@ -773,19 +898,29 @@ def pretrain(
                     extra = {}
                 else:
                     sample, rows = distributed.local_document_batch(
-                        train_store, stage_keys[pos.index], t, document_offsets=offsets, num_documents=n_train,
+                        train_store,
+                        stage_keys[pos.index],
+                        t,
+                        document_offsets=offsets,
+                        num_documents=n_train,
                         expected_batch_size=stage.expected_batch_size,
                         physical_batch_size=plan.physical_batch_sizes[pos.index],
                         max_sequences_per_document=recipe.privacy.max_sequences_per_document,
                         padded_batch_size=device_batches[pos.index],
                     )
                     extra = {SEQUENCE_PADDING: sample.sequence_padding}
-                batch, is_padding = distributed.global_array(({
-                    "input_ids": rows.astype(np.int32),
-                    "index": sample.indices.astype(np.int32),
-                    "step": np.full(sample.indices.shape, t, np.int32),
-                    **extra,
-                }, sample.is_padding), mesh)
+                batch, is_padding = distributed.global_array(
+                    (
+                        {
+                            "input_ids": rows.astype(np.int32),
+                            "index": sample.indices.astype(np.int32),
+                            "step": np.full(sample.indices.shape, t, np.int32),
+                            **extra,
+                        },
+                        sample.is_padding,
+                    ),
+                    mesh,
+                )
                 params, opt_state, out = step_fns[pos.index](
                     state.params, state.opt_state, batch, is_padding, step_key(stage_keys[pos.index], t)
                 )
@@ -795,41 +930,49 @@ def pretrain(
                         f"non-finite training loss {loss} at step {t + 1} (learning rate too high, or bad data); "
                         f"the last good checkpoint is in {ckpt_dir}"
                     )
-                state = state.replace(params=params, opt_state=opt_state, step=t + 1,
-                                      ledger_json=ledger_text(plan.ledger_after(t + 1)))
+                state = state.replace(
+                    params=params, opt_state=opt_state, step=t + 1, ledger_json=ledger_text(plan.ledger_after(t + 1))
+                )
                 elapsed = time.perf_counter() - tick
                 if metrics is not None and (state.step % recipe.train.log_every == 0 or state.step == total):
                     epsilon = plan.epsilon_after(state.step)
-                    metrics.write({
-                        "kind": "train", "step": state.step,
-                        "expected_batch_size": stage.expected_batch_size,
-                        "realized_batch_size": sample.realized_size,
-                        "physical_batch_size": plan.physical_batch_sizes[pos.index],
-                        "epsilon": epsilon,
-                        "learning_rate": float(_learning_rate(recipe)(t)),
-                        "examples_per_s": sample.realized_size / elapsed,
-                        "step_time_s": elapsed,
-                        "nonprivate_diagnostics": {
-                            k.split("/", 1)[1]: float(v) for k, v in out.items() if k.startswith("nonprivate/")
-                        },
-                    })
+                    metrics.write(
+                        {
+                            "kind": "train",
+                            "step": state.step,
+                            "expected_batch_size": stage.expected_batch_size,
+                            "realized_batch_size": sample.realized_size,
+                            "physical_batch_size": plan.physical_batch_sizes[pos.index],
+                            "epsilon": epsilon,
+                            "learning_rate": float(_learning_rate(recipe)(t)),
+                            "examples_per_s": sample.realized_size / elapsed,
+                            "step_time_s": elapsed,
+                            "nonprivate_diagnostics": {
+                                k.split("/", 1)[1]: float(v) for k, v in out.items() if k.startswith("nonprivate/")
+                            },
+                        }
+                    )
                     bar.set_postfix_str(
                         f"loss {loss:.3f} (non-private diag.)" + ("" if epsilon is None else f", eps {epsilon:.2f}")
                     )
                 bar.update(1)
                 if recipe.train.eval_every and state.step % recipe.train.eval_every == 0 and state.step < total:
                     last_eval = run_eval(state)
-                    bar.write(f"step {state.step}: held-out MLM accuracy {last_eval['eval_mlm_accuracy']:.4f}, "
-                              f"loss {last_eval['eval_mlm_loss']:.3f} (unigram baseline "
-                              f"{last_eval['eval_unigram_accuracy']:.4f})")
+                    bar.write(
+                        f"step {state.step}: held-out MLM accuracy {last_eval['eval_mlm_accuracy']:.4f}, "
+                        f"loss {last_eval['eval_mlm_loss']:.3f} (unigram baseline "
+                        f"{last_eval['eval_unigram_accuracy']:.4f})"
+                    )
                 if state.step % recipe.train.checkpoint_every == 0 or state.step == total:
                     save_checkpoint(state)
                 # Every process stops at the same step, whichever of them got the signal.
                 if distributed.any_process(flag.stop) and state.step < total:
                     save_checkpoint(state)
                     stopped = True
-                    bar.write(f"SIGTERM: checkpoint written at step {state.step} in {ckpt_dir}; "
-                              "rerun with --resume to continue")
+                    bar.write(
+                        f"SIGTERM: checkpoint written at step {state.step} in {ckpt_dir}; "
+                        "rerun with --resume to continue"
+                    )
                     break
             if not stopped:
                 save_checkpoint(state)
@@ -844,26 +987,47 @@ def pretrain(
     epsilon = plan.epsilon_after(state.step)
     delta = None if plan.ledger is None else recipe.privacy.delta
     if stopped:
-        return RunResult(run_dir=run_dir, steps_done=state.step, total_steps=total, stopped_early=True,
-                         epsilon=epsilon, delta=delta, eval_mlm_accuracy=None, eval_mlm_loss=None,
-                         wall_time_s=time.perf_counter() - started)
+        return RunResult(
+            run_dir=run_dir,
+            steps_done=state.step,
+            total_steps=total,
+            stopped_early=True,
+            epsilon=epsilon,
+            delta=delta,
+            eval_mlm_accuracy=None,
+            eval_mlm_loss=None,
+            wall_time_s=time.perf_counter() - started,
+        )
     host_params = distributed.host_copy(state.params)  # collective; then process 0 alone writes
     filled: tuple[Any, ...] = ()
     release_dir: Path | None = None
     if primary:
         if release:
-            _write_hf(functional.merge(graphdef, jax.tree_util.tree_map(jnp.asarray, host_params)), tokenizer,
-                      run_dir / "hf", ledger=None if plan.ledger is None else state.ledger)
+            _write_hf(
+                functional.merge(graphdef, jax.tree_util.tree_map(jnp.asarray, host_params)),
+                tokenizer,
+                run_dir / "hf",
+                ledger=None if plan.ledger is None else state.ledger,
+            )
             release_dir = _export_release(run_dir, private=plan.ledger is not None)
         if show_fill_mask:
-            filled = fill_mask(graphdef, host_params, tokenizer, recipe.report.fill_mask, recipe.report.top_k,
-                               manifest.seq_len)
+            filled = fill_mask(
+                graphdef, host_params, tokenizer, recipe.report.fill_mask, recipe.report.top_k, manifest.seq_len
+            )
     distributed.barrier("dpbert pretrain: exports written")
     result = RunResult(
-        run_dir=run_dir, steps_done=state.step, total_steps=total, stopped_early=False, epsilon=epsilon,
-        delta=delta, eval_mlm_accuracy=last_eval["eval_mlm_accuracy"], eval_mlm_loss=last_eval["eval_mlm_loss"],
-        wall_time_s=time.perf_counter() - started, fill_mask=filled,
-        eval_unigram_accuracy=last_eval["eval_unigram_accuracy"], unigram_token=tokenizer.convert_ids_to_tokens(unigram),
+        run_dir=run_dir,
+        steps_done=state.step,
+        total_steps=total,
+        stopped_early=False,
+        epsilon=epsilon,
+        delta=delta,
+        eval_mlm_accuracy=last_eval["eval_mlm_accuracy"],
+        eval_mlm_loss=last_eval["eval_mlm_loss"],
+        wall_time_s=time.perf_counter() - started,
+        fill_mask=filled,
+        eval_unigram_accuracy=last_eval["eval_unigram_accuracy"],
+        unigram_token=tokenizer.convert_ids_to_tokens(unigram),
         reference=recipe_reference(recipe_path),
     )
     if primary:
@@ -878,8 +1042,15 @@ def _silent(_: str) -> None:
 def _progress_bar(total: int, initial: int, *, enabled: bool) -> Any:
     from tqdm.auto import tqdm
 
-    return tqdm(total=total, initial=initial, desc="pretrain", unit="step", disable=not enabled,
-                file=sys.stderr, dynamic_ncols=True)
+    return tqdm(
+        total=total,
+        initial=initial,
+        desc="pretrain",
+        unit="step",
+        disable=not enabled,
+        file=sys.stderr,
+        dynamic_ncols=True,
+    )
 
 
 def _write_hf(model: BertForMaskedLM, tokenizer: Any, out: Path, *, ledger: dict[str, Any] | None) -> None:
@@ -902,8 +1073,10 @@ def _run_secret(ckpt_dir: Path, *, resume: bool, supplied: str | os.PathLike[str
     checkpoints outlived their secret is refused, since it could not replay its steps."""
     path = ckpt_dir / SECRET_FILE
     if resume and _has_checkpoints(ckpt_dir) and not path.exists():
-        raise ValueError(f"{path}: missing; the checkpoints of this private run cannot be resumed without the "
-                         "secret they were trained with (start a new run in another --output-dir)")
+        raise ValueError(
+            f"{path}: missing; the checkpoints of this private run cannot be resumed without the "
+            "secret they were trained with (start a new run in another --output-dir)"
+        )
     ckpt_dir.mkdir(parents=True, exist_ok=True)
     return run_secret(path, reuse=resume, supplied=supplied)
 
@@ -954,13 +1127,25 @@ def _report(result: RunResult, release: Path | None, log: Callable[[str], None])
     else:
         log(f"privacy: epsilon = {result.epsilon:.3f} at delta = {result.delta:g}")
     log(f"held-out MLM accuracy: {100 * result.eval_mlm_accuracy:.2f}%  (loss {result.eval_mlm_loss:.3f})")
-    rows = [("this run, " + ("NOT private" if result.epsilon is None else f"DP at epsilon {result.epsilon:.2f}"),
-             result.eval_mlm_accuracy, "")]
+    rows = [
+        (
+            "this run, " + ("NOT private" if result.epsilon is None else f"DP at epsilon {result.epsilon:.2f}"),
+            result.eval_mlm_accuracy,
+            "",
+        )
+    ]
     if result.eval_unigram_accuracy is not None:
-        rows.append((f"unigram baseline ('{result.unigram_token}' everywhere)", result.eval_unigram_accuracy,
-                     "the most frequent train token (non-private diagnostic)"))
+        rows.append(
+            (
+                f"unigram baseline ('{result.unigram_token}' everywhere)",
+                result.eval_unigram_accuracy,
+                "the most frequent train token (non-private diagnostic)",
+            )
+        )
     if result.reference is not None:
-        rows.append(("non-private reference, same compute", result.reference[0], f"recipe header: {result.reference[1]}"))
+        rows.append(
+            ("non-private reference, same compute", result.reference[0], f"recipe header: {result.reference[1]}")
+        )
     log("held-out masked-token accuracy, same masked positions:")
     for name, value, note in rows:
         log(f"  {name:<40}{100 * value:6.2f}%   {note}".rstrip())
@@ -978,17 +1163,26 @@ def pretrain_main(args: Any) -> int:
     from dpbert.privacy.planner import quiet_accountant_warnings
 
     quiet_accountant_warnings()
-    explicit = {"coordinator_address": args.coordinator_address, "num_processes": args.num_processes,
-                "process_id": args.process_id}
+    explicit = {
+        "coordinator_address": args.coordinator_address,
+        "num_processes": args.num_processes,
+        "process_id": args.process_id,
+    }
     if any(v is not None for v in explicit.values()):
         if args.distributed:
-            raise ValueError("--distributed (auto-detect) and --coordinator-address/--num-processes/--process-id "
-                             "are alternatives; give one or the other")
+            raise ValueError(
+                "--distributed (auto-detect) and --coordinator-address/--num-processes/--process-id "
+                "are alternatives; give one or the other"
+            )
         distributed.initialize(**explicit)
     elif args.distributed:
         distributed.initialize()
     result = pretrain(
-        args.recipe, args.output_dir, overrides=args.set or (), resume=args.resume, show_fill_mask=args.fill_mask,
+        args.recipe,
+        args.output_dir,
+        overrides=args.set or (),
+        resume=args.resume,
+        show_fill_mask=args.fill_mask,
         noise_seed_file=args.noise_seed_file,
     )
     return 0 if result.stopped_early or result.steps_done == result.total_steps else 1

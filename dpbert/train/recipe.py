@@ -23,6 +23,7 @@ printed at the end of a run).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import types
@@ -169,24 +170,40 @@ class PrivacyConfig:
         _check(self.clip_norm > 0, "clip_norm", "a positive number", self.clip_norm)
         _check(self.unit in ("sequence", "document"), "unit", "'sequence' or 'document'", self.unit)
         if self.unit == "document":
-            _check(self.max_sequences_per_document is not None and self.max_sequences_per_document >= 1,
-                   "max_sequences_per_document", "a positive integer when unit is 'document'",
-                   self.max_sequences_per_document)
-            _check(self.enabled, "unit", "'sequence' for a non-private run (unit 'document' is a DP setting)", self.unit)
+            _check(
+                self.max_sequences_per_document is not None and self.max_sequences_per_document >= 1,
+                "max_sequences_per_document",
+                "a positive integer when unit is 'document'",
+                self.max_sequences_per_document,
+            )
+            _check(
+                self.enabled, "unit", "'sequence' for a non-private run (unit 'document' is a DP setting)", self.unit
+            )
         else:
-            _check(self.max_sequences_per_document is None, "max_sequences_per_document",
-                   "null unless unit is 'document'", self.max_sequences_per_document)
-        _check(self.dataset_size is None or self.dataset_size >= 1, "dataset_size",
-               "a positive integer (the public number of training sequences, or documents with unit 'document') "
-               "or null", self.dataset_size)
+            _check(
+                self.max_sequences_per_document is None,
+                "max_sequences_per_document",
+                "null unless unit is 'document'",
+                self.max_sequences_per_document,
+            )
+        _check(
+            self.dataset_size is None or self.dataset_size >= 1,
+            "dataset_size",
+            "a positive integer (the public number of training sequences, or documents with unit 'document') or null",
+            self.dataset_size,
+        )
         _check(0.0 < self.delta < 1.0, "delta", "a probability in (0, 1)", self.delta)
         _check(
             self.target_epsilon is None or self.target_epsilon > 0,
-            "target_epsilon", "a positive number or null", self.target_epsilon,
+            "target_epsilon",
+            "a positive number or null",
+            self.target_epsilon,
         )
         _check(
             self.noise_multiplier is None or self.noise_multiplier > 0,
-            "noise_multiplier", "a positive number or null", self.noise_multiplier,
+            "noise_multiplier",
+            "a positive number or null",
+            self.noise_multiplier,
         )
         if self.enabled:
             _check(
@@ -224,7 +241,9 @@ class OptimizerConfig:
         _check(self.warmup_steps >= 0, "warmup_steps", "an integer >= 0", self.warmup_steps)
         _check(
             0.0 <= self.end_learning_rate_fraction <= 1.0,
-            "end_learning_rate_fraction", "a fraction in [0, 1]", self.end_learning_rate_fraction,
+            "end_learning_rate_fraction",
+            "a fraction in [0, 1]",
+            self.end_learning_rate_fraction,
         )
 
 
@@ -261,8 +280,14 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         _check(self.seed >= 0, "seed", "an integer >= 0", self.seed)
-        for name in ("microbatch_size", "checkpoint_every", "keep_checkpoints", "eval_batches",
-                     "eval_batch_size", "log_every"):
+        for name in (
+            "microbatch_size",
+            "checkpoint_every",
+            "keep_checkpoints",
+            "eval_batches",
+            "eval_batch_size",
+            "log_every",
+        ):
             v = getattr(self, name)
             _check(v > 0, name, "a positive integer", v)
         _check(self.eval_every >= 0, "eval_every", "an integer >= 0", self.eval_every)
@@ -340,11 +365,14 @@ class Recipe:
         mpe = self.model.max_position_embeddings
         _check(
             mpe is None or mpe >= self.data.seq_len,
-            "model.max_position_embeddings", f"null or >= data.seq_len={self.data.seq_len}", mpe,
+            "model.max_position_embeddings",
+            f"null or >= data.seq_len={self.data.seq_len}",
+            mpe,
         )
         _check(
             self.optimizer.warmup_steps < self.total_steps,
-            "optimizer.warmup_steps", f"fewer than the schedule's {self.total_steps} steps",
+            "optimizer.warmup_steps",
+            f"fewer than the schedule's {self.total_steps} steps",
             self.optimizer.warmup_steps,
         )
 
@@ -381,10 +409,8 @@ def _parse_value(tp: Any, value: Any, field: str) -> Any:
     elif tp is float:
         # YAML reads `1e-6` as a string (no dot) and `3` as an int: accept both as numbers.
         if isinstance(value, str):
-            try:
+            with contextlib.suppress(ValueError):
                 value = float(value)
-            except ValueError:
-                pass
         _check(isinstance(value, int | float) and not isinstance(value, bool), field, "a number", value)
         value = float(value)
     elif tp is str:
@@ -466,10 +492,7 @@ def _apply_override(data: dict[str, Any], override: str) -> None:
     node: Any = data
     for depth, part in enumerate(parts[:-1]):
         dotted = ".".join(parts[: depth + 1])
-        if isinstance(node, list):
-            node = node[_list_index(node, part, dotted)]
-        else:
-            node = node.setdefault(part, {})
+        node = node[_list_index(node, part, dotted)] if isinstance(node, list) else node.setdefault(part, {})
         if not isinstance(node, dict | list):
             raise RecipeError(dotted, f"is a value, not a section (override {override!r})")
     last = parts[-1]

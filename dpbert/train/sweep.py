@@ -43,8 +43,18 @@ from typing import Any
 from dpbert.atomic import write_json
 from dpbert.train.recipe import load_recipe, read_yaml
 
-SWEEP_FIELDS = ("recipe", "examples", "batch_sizes", "schedule", "nonprivate_batch_size", "nonprivate_set",
-                "warmup_fraction", "target_epsilon", "set", "document_recipe")
+SWEEP_FIELDS = (
+    "recipe",
+    "examples",
+    "batch_sizes",
+    "schedule",
+    "nonprivate_batch_size",
+    "nonprivate_set",
+    "warmup_fraction",
+    "target_epsilon",
+    "set",
+    "document_recipe",
+)
 # Overrides that would make arms differ in more than their batch-size schedule.
 FORBIDDEN_SET_PREFIXES = ("schedule", "privacy", "optimizer.warmup_steps")
 
@@ -74,16 +84,22 @@ class SweepSpec:
         if not self.batch_sizes:
             raise ValueError("sweep field 'batch_sizes': expected at least one batch size")
         if self.schedule and list(self.schedule) != sorted(set(self.schedule)):
-            raise ValueError(f"sweep field 'schedule': expected strictly increasing batch sizes, got {list(self.schedule)}")
+            raise ValueError(
+                f"sweep field 'schedule': expected strictly increasing batch sizes, got {list(self.schedule)}"
+            )
         if len(self.schedule) == 1:
             raise ValueError("sweep field 'schedule': an increasing schedule needs at least 2 stages")
         if not 0.0 <= self.warmup_fraction < 1.0:
-            raise ValueError(f"sweep field 'warmup_fraction': expected a fraction in [0, 1), got {self.warmup_fraction!r}")
+            raise ValueError(
+                f"sweep field 'warmup_fraction': expected a fraction in [0, 1), got {self.warmup_fraction!r}"
+            )
         for override in (*self.set, *self.nonprivate_set):
             key = override.partition("=")[0].strip()
             if key.startswith(FORBIDDEN_SET_PREFIXES):
-                raise ValueError(f"sweep field 'set': {override!r} would make the arms differ in more than the batch "
-                                 "size (the sweep sets schedule, warmup and privacy itself)")
+                raise ValueError(
+                    f"sweep field 'set': {override!r} would make the arms differ in more than the batch "
+                    "size (the sweep sets schedule, warmup and privacy itself)"
+                )
 
 
 def load_sweep(path: str | os.PathLike[str]) -> SweepSpec:
@@ -102,11 +118,16 @@ def load_sweep(path: str | os.PathLike[str]) -> SweepSpec:
         document_recipe = path.parent / document_recipe
     try:
         return SweepSpec(
-            recipe=recipe, examples=int(raw["examples"]), batch_sizes=tuple(raw["batch_sizes"]),
-            schedule=tuple(raw.get("schedule") or ()), nonprivate_batch_size=raw.get("nonprivate_batch_size"),
-            warmup_fraction=float(raw.get("warmup_fraction", 0.1)), target_epsilon=raw.get("target_epsilon"),
+            recipe=recipe,
+            examples=int(raw["examples"]),
+            batch_sizes=tuple(raw["batch_sizes"]),
+            schedule=tuple(raw.get("schedule") or ()),
+            nonprivate_batch_size=raw.get("nonprivate_batch_size"),
+            warmup_fraction=float(raw.get("warmup_fraction", 0.1)),
+            target_epsilon=raw.get("target_epsilon"),
             set=tuple(str(s) for s in raw.get("set") or ()),
-            nonprivate_set=tuple(str(s) for s in raw.get("nonprivate_set") or ()), document_recipe=document_recipe,
+            nonprivate_set=tuple(str(s) for s in raw.get("nonprivate_set") or ()),
+            document_recipe=document_recipe,
         )
     except ValueError as err:
         raise ValueError(f"sweep {path}: {err}") from None
@@ -147,9 +168,13 @@ class Arm:
 def _arm(name: str, private: bool, stages: Sequence[tuple[int, int]], spec: SweepSpec) -> Arm:
     steps = sum(t for t, _ in stages)
     own = () if private else spec.nonprivate_set
-    overrides = [*spec.set, *own, f"schedule={json.dumps([{'steps': t, 'expected_batch_size': b} for t, b in stages])}",
-                 f"optimizer.warmup_steps={min(steps - 1, round(spec.warmup_fraction * steps))}",
-                 f"privacy.enabled={'true' if private else 'false'}"]
+    overrides = [
+        *spec.set,
+        *own,
+        f"schedule={json.dumps([{'steps': t, 'expected_batch_size': b} for t, b in stages])}",
+        f"optimizer.warmup_steps={min(steps - 1, round(spec.warmup_fraction * steps))}",
+        f"privacy.enabled={'true' if private else 'false'}",
+    ]
     if private and spec.target_epsilon is not None:
         overrides.append(f"privacy.target_epsilon={spec.target_epsilon}")
     if private:
@@ -174,8 +199,10 @@ def build_arms(spec: SweepSpec) -> list[Arm]:
     if spec.document_recipe is not None:
         doc = load_recipe(spec.document_recipe, spec.set)
         if doc.privacy.unit != "document":
-            raise ValueError(f"sweep field 'document_recipe': {spec.document_recipe} has privacy.unit "
-                             f"{doc.privacy.unit!r}, expected 'document'")
+            raise ValueError(
+                f"sweep field 'document_recipe': {spec.document_recipe} has privacy.unit "
+                f"{doc.privacy.unit!r}, expected 'document'"
+            )
         d, cap = doc.schedule[0].expected_batch_size, doc.privacy.max_sequences_per_document
         arm = _arm(f"document unit D={d}x{cap}", True, [(max(1, round(spec.examples / (d * cap))), d)], spec)
         arms.append(dataclasses.replace(arm, recipe=spec.document_recipe, sequences_per_unit=cap))
@@ -196,11 +223,19 @@ def arm_recipe(spec: SweepSpec, arm: Arm, store: str | os.PathLike[str] | None =
 
 def _row(arm: Arm, result: Any, noise_multiplier: float | None) -> dict[str, Any]:
     return {
-        "name": arm.name, "expected_batch_size": arm.expected_batch_size, "epsilon": result.epsilon,
-        "examples": arm.examples, "steps": arm.steps, "mlm_accuracy": result.eval_mlm_accuracy,
-        "unigram_accuracy": result.eval_unigram_accuracy, "private": arm.private,
-        "noise_multiplier": noise_multiplier, "stages": [list(s) for s in arm.stages],
-        "mlm_loss": result.eval_mlm_loss, "wall_time_s": result.wall_time_s, "unit": arm.unit,
+        "name": arm.name,
+        "expected_batch_size": arm.expected_batch_size,
+        "epsilon": result.epsilon,
+        "examples": arm.examples,
+        "steps": arm.steps,
+        "mlm_accuracy": result.eval_mlm_accuracy,
+        "unigram_accuracy": result.eval_unigram_accuracy,
+        "private": arm.private,
+        "noise_multiplier": noise_multiplier,
+        "stages": [list(s) for s in arm.stages],
+        "mlm_loss": result.eval_mlm_loss,
+        "wall_time_s": result.wall_time_s,
+        "unit": arm.unit,
     }
 
 
@@ -225,8 +260,11 @@ def run_sweep(
     rows = []
     for i, arm in enumerate(arms):
         row_file = arms_dir / f"{_slug(arm.name)}.json"
-        definition = {"stages": [list(s) for s in arm.stages], "overrides": list(arm.overrides),
-                      "recipe": str(arm.recipe or spec.recipe)}
+        definition = {
+            "stages": [list(s) for s in arm.stages],
+            "overrides": list(arm.overrides),
+            "recipe": str(arm.recipe or spec.recipe),
+        }
         if row_file.is_file():
             saved = json.loads(row_file.read_text())
             if saved.get("definition") == definition:
@@ -238,18 +276,34 @@ def run_sweep(
             import shutil
 
             shutil.rmtree(run_dir)  # an unfinished arm restarts (a resume would need the same recipe)
-        log(f"[{i + 1}/{len(arms)}] {arm.name}: {arm.steps} steps, {arm.examples} examples, "
-            f"{'private' if arm.private else 'NOT private'}")
-        result = pretrain(arm.recipe or spec.recipe, run_dir, overrides=(*arm.overrides, f"data.store={store}"),
-                          progress=progress, log=lambda s: None, release=False)
+        log(
+            f"[{i + 1}/{len(arms)}] {arm.name}: {arm.steps} steps, {arm.examples} examples, "
+            f"{'private' if arm.private else 'NOT private'}"
+        )
+        result = pretrain(
+            arm.recipe or spec.recipe,
+            run_dir,
+            overrides=(*arm.overrides, f"data.store={store}"),
+            progress=progress,
+            log=lambda s: None,
+            release=False,
+        )
         sigma = _noise_multiplier(run_dir) if arm.private else None
         row = _row(arm, result, sigma)
         write_json(row_file, {"definition": definition, "row": row})
         rows.append(row)
-        log(f"    held-out MLM accuracy {100 * row['mlm_accuracy']:.2f}% (unigram {100 * row['unigram_accuracy']:.2f}%)"
-            + ("" if row["epsilon"] is None else f", epsilon {row['epsilon']:.3f}") + f", {row['wall_time_s']:.0f} s")
-    summary = {"sweep": str(sweep_path), "recipe": str(spec.recipe), "examples": spec.examples,
-               "wall_time_s": time.perf_counter() - started, "arms": rows}
+        log(
+            f"    held-out MLM accuracy {100 * row['mlm_accuracy']:.2f}% (unigram {100 * row['unigram_accuracy']:.2f}%)"
+            + ("" if row["epsilon"] is None else f", epsilon {row['epsilon']:.3f}")
+            + f", {row['wall_time_s']:.0f} s"
+        )
+    summary = {
+        "sweep": str(sweep_path),
+        "recipe": str(spec.recipe),
+        "examples": spec.examples,
+        "wall_time_s": time.perf_counter() - started,
+        "arms": rows,
+    }
     write_json(out / "sweep.json", summary)
     plot_sweep(rows, out / "sweep.png")
     log(format_table(rows))
@@ -272,17 +326,23 @@ def _slug(name: str) -> str:
 
 def format_table(rows: Sequence[dict[str, Any]]) -> str:
     """The sweep's rows as a fixed-width table."""
-    lines = [f"{'arm':<24}{'batch B':>9}{'steps':>7}{'examples':>10}{'epsilon':>9}{'sigma':>8}"
-             f"{'MLM acc.':>10}{'unigram':>9}{'gain':>8}{'MLM loss':>10}"]
+    lines = [
+        f"{'arm':<24}{'batch B':>9}{'steps':>7}{'examples':>10}{'epsilon':>9}{'sigma':>8}"
+        f"{'MLM acc.':>10}{'unigram':>9}{'gain':>8}{'MLM loss':>10}"
+    ]
     for r in rows:
         eps = "-" if r["epsilon"] is None else f"{r['epsilon']:.3f}"
         sigma = "-" if r.get("noise_multiplier") is None else f"{r['noise_multiplier']:.3f}"
         gain = 100 * (r["mlm_accuracy"] - r["unigram_accuracy"])
-        lines.append(f"{r['name']:<24}{r['expected_batch_size']:>9,}{r['steps']:>7}{r['examples']:>10,}{eps:>9}"
-                     f"{sigma:>8}{100 * r['mlm_accuracy']:>9.2f}%{100 * r['unigram_accuracy']:>8.2f}%{gain:>+8.2f}"
-                     f"{r['mlm_loss']:>10.3f}")
-    lines.append("gain: points of held-out masked-token accuracy above the unigram baseline (same masked positions); "
-                 "MLM loss: held-out cross-entropy (nats), which moves before accuracy leaves the unigram level")
+        lines.append(
+            f"{r['name']:<24}{r['expected_batch_size']:>9,}{r['steps']:>7}{r['examples']:>10,}{eps:>9}"
+            f"{sigma:>8}{100 * r['mlm_accuracy']:>9.2f}%{100 * r['unigram_accuracy']:>8.2f}%{gain:>+8.2f}"
+            f"{r['mlm_loss']:>10.3f}"
+        )
+    lines.append(
+        "gain: points of held-out masked-token accuracy above the unigram baseline (same masked positions); "
+        "MLM loss: held-out cross-entropy (nats), which moves before accuracy leaves the unigram level"
+    )
     return "\n".join(lines)
 
 
@@ -301,22 +361,46 @@ def plot_sweep(rows: Sequence[dict[str, Any]], out: str | os.PathLike[str]) -> P
     documents = [r for r in rows if r.get("unit") == "document"]
     nonprivate = [r for r in rows if not r["private"]]
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
-    for ax, key, scale, label in ((axes[0], "mlm_accuracy", 100, "held-out masked-token accuracy (%)"),
-                                  (axes[1], "mlm_loss", 1, "held-out MLM loss (nats)")):
+    for ax, key, scale, label in (
+        (axes[0], "mlm_accuracy", 100, "held-out masked-token accuracy (%)"),
+        (axes[1], "mlm_loss", 1, "held-out MLM loss (nats)"),
+    ):
         if fixed:
-            ax.plot([r["expected_batch_size"] for r in fixed], [scale * r[key] for r in fixed], marker="o",
-                    label=f"DP-SGD, fixed batch (epsilon {fixed[0]['epsilon']:.2f})")
+            ax.plot(
+                [r["expected_batch_size"] for r in fixed],
+                [scale * r[key] for r in fixed],
+                marker="o",
+                label=f"DP-SGD, fixed batch (epsilon {fixed[0]['epsilon']:.2f})",
+            )
         for r in schedules:
-            ax.scatter([r["expected_batch_size"]], [scale * r[key]], marker="*", s=160, color="C3", zorder=3,
-                       label=f"DP-SGD, increasing batch {r['name'].split(' ', 1)[1]}")
+            ax.scatter(
+                [r["expected_batch_size"]],
+                [scale * r[key]],
+                marker="*",
+                s=160,
+                color="C3",
+                zorder=3,
+                label=f"DP-SGD, increasing batch {r['name'].split(' ', 1)[1]}",
+            )
         for r in documents:
-            ax.scatter([r["expected_batch_size"]], [scale * r[key]], marker="s", s=70, color="C4", zorder=3,
-                       label=f"DP-SGD, one document as the unit ({r['name']})")
+            ax.scatter(
+                [r["expected_batch_size"]],
+                [scale * r[key]],
+                marker="s",
+                s=70,
+                color="C4",
+                zorder=3,
+                label=f"DP-SGD, one document as the unit ({r['name']})",
+            )
         for r in nonprivate:
             ax.axhline(scale * r[key], color="C2", linestyle="--", label=f"non-private ({r['name']})")
         if rows and key == "mlm_accuracy":
-            ax.axhline(100 * rows[0]["unigram_accuracy"], color="gray", linestyle=":",
-                       label="unigram baseline (most frequent token)")
+            ax.axhline(
+                100 * rows[0]["unigram_accuracy"],
+                color="gray",
+                linestyle=":",
+                label="unigram baseline (most frequent token)",
+            )
         ax.set_xscale("log", base=2)
         ax.set_xlabel("expected batch size B (log scale)")
         ax.set_ylabel(label)
