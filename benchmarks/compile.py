@@ -146,9 +146,9 @@ def child_preset(model: str, what: str) -> dict:
 
 def child_microbatch(size: int, private: bool, expected: int) -> dict:
     import dpbert
+    from dpbert.config.recipe import load_recipe
     from dpbert.train.compile import compile_step
     from dpbert.train.mesh import make_mesh
-    from dpbert.train.recipe import load_recipe
 
     # The recipe file of the dpbert being measured, at the shape: one stage at `expected`,
     # the full bert-base-uncased vocabulary (4.4M parameters), whatever the file's schedule says.

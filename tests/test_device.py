@@ -9,8 +9,8 @@ import jax
 import pytest
 from transformers import BertConfig
 
+from dpbert.config.recipe import load_recipe
 from dpbert.train.device import compiled_rows_per_device, device_settings, expected_microbatches, is_accelerator
-from dpbert.train.recipe import load_recipe
 
 TINY = Path(__file__).resolve().parents[1] / "recipes" / "tiny.yaml"
 

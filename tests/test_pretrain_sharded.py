@@ -97,6 +97,7 @@ def test_eight_devices_train_like_one(runs, name):
 def test_the_comparison_is_not_vacuous(runs):
     """Two AdamW steps at learning rate 1e-2 moved the weights far more than the tolerance."""
     root, _ = runs
+    from dpbert.config.recipe import load_recipe
     from dpbert.train.mesh import make_mesh
     from dpbert.train.pretrain import (
         abstract_state,
@@ -104,7 +105,6 @@ def test_the_comparison_is_not_vacuous(runs):
         init_state,
         make_optimizer,
     )
-    from dpbert.train.recipe import load_recipe
 
     recipe = load_recipe(root / "one" / "recipe.yaml")  # the resolved recipe (vocabulary size set)
     optimizer = make_optimizer(recipe)

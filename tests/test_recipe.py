@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from dpbert.train.recipe import (
+from dpbert.config.recipe import (
     Recipe,
     RecipeError,
     load_recipe,

@@ -75,15 +75,15 @@ TRAIN_SPLIT = {
 
 def recipe_text(raw: dict | None = None) -> str:
     """A recipe as the trainer writes RUN_DIR/recipe.yaml (validated, every field resolved)."""
-    from dpbert.train.recipe import load_recipe_dict, recipe_to_dict
+    from dpbert.config.recipe import load_recipe_dict, recipe_to_dict
 
     return yaml.safe_dump(recipe_to_dict(load_recipe_dict(raw or RECIPE)), sort_keys=False)
 
 
 @functools.cache
 def _plan_ledger_json(text: str, dataset_size: int) -> str:
+    from dpbert.config.recipe import load_recipe_dict
     from dpbert.train.pretrain import make_plan
-    from dpbert.train.recipe import load_recipe_dict
 
     recipe = load_recipe_dict(yaml.safe_load(text))
     return json.dumps(make_plan(recipe, dataset_size, dataset_size_source="rounded").ledger.to_dict())

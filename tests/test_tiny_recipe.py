@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from dpbert.bench import MODELS, RECIPE_PRESETS
+from dpbert.config.recipe import load_recipe
 from dpbert.data.tokenizer import (
     load_tokenizer,
     public_subset_size,
@@ -18,7 +19,6 @@ from dpbert.data.tokenizer import (
     resolve_tokenizer,
 )
 from dpbert.train.pretrain import make_plan, max_predictions, recipe_reference
-from dpbert.train.recipe import load_recipe
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
 TEXT = (

@@ -13,7 +13,7 @@
    a ledger must not spend more than its own `target_epsilon`, nor lose more than 1% of delta to
    truncated Poisson samples (the trainer refuses both).
 3. **The ledger is rebuilt from the recipe** the release carries (`recipe.content`). A pretraining
-   guarantee: the recipe is parsed (`dpbert.train.recipe`) and its DP plan rebuilt by
+   guarantee: the recipe is parsed (`dpbert.config.recipe`) and its DP plan rebuilt by
    `dpbert.train.pretrain.make_plan` for the ledger's N (the recipe's declared
    `privacy.dataset_size`, else N rounded down to 2 significant digits, which is what the trainer
    uses); calibration is deterministic, so every field (stages, expected and physical batch sizes,
@@ -299,9 +299,9 @@ def _rebuilt_pretraining(content: str, dataset_size: int) -> tuple[str, int]:
     because calibrating noise takes seconds and verify runs more than once on a release."""
     import yaml
 
+    from dpbert.config.recipe import load_recipe_dict
     from dpbert.privacy.accounting import round_down_significant
     from dpbert.train.pretrain import make_plan
-    from dpbert.train.recipe import load_recipe_dict
 
     try:
         raw = yaml.safe_load(content)

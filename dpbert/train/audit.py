@@ -56,6 +56,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dpbert.atomic import replace_dir, write_json
+from dpbert.config.recipe import Recipe, load_recipe
 from dpbert.privacy.accounting import PrivacyLedger
 from dpbert.privacy.audit import audit_scores, empirical_figures
 from dpbert.privacy.canaries import (
@@ -65,7 +66,6 @@ from dpbert.privacy.canaries import (
     run_gradient_canary_audit,
 )
 from dpbert.privacy.randomness import SECRET_FILE, run_secret
-from dpbert.train.recipe import Recipe, load_recipe
 
 KINDS = ("input", "gradient")
 # Gradient canaries cost one coordinate each, so more are cheap; with a recipe's small sampling

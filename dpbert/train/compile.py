@@ -48,12 +48,12 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
+from dpbert.config.recipe import Recipe
 from dpbert.model.bert import unrolled_layers
 from dpbert.privacy import randomness
 from dpbert.privacy.documents import SEQUENCE_PADDING
 from dpbert.privacy.noise import privatize
 from dpbert.train.mesh import batch_sharding, bytes_per_device, replicated
-from dpbert.train.recipe import Recipe
 
 # Shape-only stand-ins for token ids the masking code needs (values never matter to shapes).
 _PLACEHOLDER_IDS = {"mask_token_id": 103, "special_token_ids": (0, 101, 102, 103), "pad_id": 0}
@@ -344,8 +344,8 @@ def compile_step(
 
 def compile_main(args: Any) -> int:
     """`dpbert pretrain RECIPE --compile-only` entry point: print (or --json) the report."""
+    from dpbert.config.recipe import load_recipe
     from dpbert.train.mesh import make_mesh, parse_mesh_flags
-    from dpbert.train.recipe import load_recipe
 
     recipe = load_recipe(args.recipe, args.set or ())
     axes = {"data": recipe.mesh.data, "fsdp": recipe.mesh.fsdp, **parse_mesh_flags(args.mesh or ())}

@@ -34,7 +34,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from dpbert.train.recipe import Recipe, TrainConfig
+from dpbert.config.recipe import Recipe, TrainConfig
 
 ACCELERATOR_BACKENDS = frozenset({"gpu", "cuda", "rocm", "tpu"})
 # Micro-batch sizes tried on an accelerator: large enough to fill one, small enough to compile

@@ -41,7 +41,7 @@ freezes a pretrained pooler's kernel; per-step DP noise has norm sigma*C*sqrt(d)
 trained parameters, but a frozen all-MiniLM-L6-v2 pooler left DP runs at the majority class),
 and it takes `head_lr_multiplier` times larger steps. The DP default trains `bias`; its batch size,
 epochs, clip norm and learning rate are derived from n and epsilon when the recipe leaves them
-at null (`dpbert.train.finetune_plan`), and printed with their reasons. The non-private default
+at null (`dpbert.config.finetune_plan`), and printed with their reasons. The non-private default
 trains `all`. Weight decay applies to weight matrices only (not biases, LayerNorm or
 embeddings), as in BERT.
 
@@ -76,13 +76,13 @@ import yaml
 from flax import nnx
 
 from dpbert.atomic import write_json
+from dpbert.config.recipe import apply_overrides, read_yaml
 from dpbert.data import glue
 from dpbert.data.glue_metrics import compute_metrics, predictions_from_logits
 from dpbert.model import BertForSequenceClassification
 from dpbert.model.functional import classifier_logits
 from dpbert.model.lora import LoRAConfig, add_lora, is_lora_path, merge_lora
 from dpbert.privacy.randomness import SECRET_FILE, mechanism_key, run_secret
-from dpbert.train.recipe import apply_overrides, read_yaml
 
 Trainable = Literal["all", "bias", "lora", "head"]
 TRAINABLE = ("all", "bias", "lora", "head")
@@ -101,7 +101,7 @@ class OptimConfig:
     """One training mode's hyper-parameters. For DP, `batch_size` is the *expected* batch size
     of Poisson sampling, capped at n // 4 so a small task still gets >= 4 steps per epoch;
     `learning_rate`, `batch_size` and `epochs` may be null in the DP section: derived from n
-    and epsilon (`dpbert.train.finetune_plan`). `dropout: null` keeps the checkpoint's dropout
+    and epsilon (`dpbert.config.finetune_plan`). `dropout: null` keeps the checkpoint's dropout
     rates; a number sets the hidden and attention dropout (DP fine-tuning works better without
     dropout, Li et al. 2021)."""
 
@@ -139,7 +139,7 @@ class OptimConfig:
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class PrivacyConfig:
     """DP settings for the task data. `delta: null` means 1/n^1.1 (n = training examples);
-    `clip_norm: null` is derived (`dpbert.train.finetune_plan`)."""
+    `clip_norm: null` is derived (`dpbert.config.finetune_plan`)."""
 
     epsilon: float = 8.0
     delta: float | None = None
@@ -183,7 +183,7 @@ class FinetuneConfig:
     `lora`; `eval_every_epochs`: evaluate after every k-th epoch (and always at the end).
     `train_pooler`: whether the head includes the pooler's kernel under `bias`, `lora` and
     `head` (null: only when the checkpoint has no pretrained pooler). Default true: a pretrained
-    pooler was trained for another objective, if at all (see `dpbert.train.finetune_plan`).
+    pooler was trained for another objective, if at all (see `dpbert.config.finetune_plan`).
     """
 
     dp: bool = False
@@ -686,7 +686,7 @@ def _delta(n: int, privacy: PrivacyConfig) -> tuple[float, str]:
 def resolve_dp(n: int, config: FinetuneConfig) -> tuple[FinetuneConfig, Any]:
     """(config with every null DP hyper-parameter filled in, the `DerivedDefaults` used or None
     when the recipe set them all). Depends only on n, epsilon, delta and the trained subset."""
-    from dpbert.train.finetune_plan import derive_dp_defaults
+    from dpbert.config.finetune_plan import derive_dp_defaults
 
     optim, priv = config.private, config.privacy
     if None not in (optim.learning_rate, optim.batch_size, optim.epochs, priv.clip_norm):
@@ -846,7 +846,7 @@ def finetune(
     train = encoded["train"]
     n = len(train["labels"])
 
-    from dpbert.train.finetune_plan import describe as describe_derived
+    from dpbert.config.finetune_plan import describe as describe_derived
 
     derived = None
     if config.dp:

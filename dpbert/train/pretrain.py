@@ -76,6 +76,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from dpbert.atomic import replace_dir, write_json
+from dpbert.config.recipe import Recipe, load_recipe, recipe_to_dict, save_recipe
 from dpbert.data.masking import example_mask_key, mask_tokens
 from dpbert.data.store import TokenStore, prepare_store
 from dpbert.data.tokenizer import load_tokenizer, resolve_tokenizer
@@ -108,7 +109,6 @@ from dpbert.train.checkpoint import CheckpointStore
 from dpbert.train.device import device_settings
 from dpbert.train.mesh import batch_axes, make_mesh, state_shardings
 from dpbert.train.metrics import MetricsLog, truncate_after
-from dpbert.train.recipe import Recipe, load_recipe, recipe_to_dict, save_recipe
 from dpbert.train.state import TrainState, ledger_text
 
 RANDOMNESS_FILE = "randomness.json"

@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from dpbert.atomic import write_json
-from dpbert.train.recipe import load_recipe, read_yaml
+from dpbert.config.recipe import load_recipe, read_yaml
 
 SWEEP_FIELDS = (
     "recipe",
