@@ -408,9 +408,9 @@ def test_gradient_canary_audit_of_a_recipe_uses_its_privacy_plan(audit_recipe, t
     import json
 
     from dpbert import cli
+    from dpbert.config.plan import make_plan
     from dpbert.config.recipe import load_recipe
     from dpbert.data.store import TokenStore
-    from dpbert.train.pretrain import make_plan
 
     recipe, root = audit_recipe
     out = tmp_path / "grad"
@@ -458,10 +458,10 @@ def audited_release(audit_recipe, tmp_path):
     the trainer would write for the recipe's own data (no canaries)."""
     from transformers import BertConfig, BertForMaskedLM
 
+    from dpbert.config.plan import make_plan
     from dpbert.config.recipe import load_recipe
     from dpbert.data.store import TokenStore
     from dpbert.release import CardInfo, Guarantee, ReleaseMetadata, write_release
-    from dpbert.train.pretrain import make_plan
 
     recipe, root = audit_recipe
     store = TokenStore.open(root / "store")

@@ -12,8 +12,8 @@ import pytest
 
 from dpbert.bench import NONPRIVATE_ROWS, TORCH_BF16_ROW, TORCH_ROW, _peer_rows_in_processes, format_table
 from dpbert.cli import build_parser, main
+from dpbert.config.plan import make_plan
 from dpbert.config.recipe import load_recipe
-from dpbert.train.pretrain import make_plan
 
 
 @pytest.mark.parametrize("microbatch", ["1", "auto"])

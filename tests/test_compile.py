@@ -6,10 +6,11 @@ from __future__ import annotations
 import jax
 import pytest
 
+from dpbert.config.plan import ledger_physical_batch_sizes
 from dpbert.config.recipe import load_recipe_dict
 from dpbert.train.compile import compile_step
+from dpbert.train.engine import device_batch_size
 from dpbert.train.mesh import make_mesh
-from dpbert.train.pretrain import device_batch_size, ledger_physical_batch_sizes
 
 RECIPE = {
     "model": {

@@ -39,8 +39,8 @@ def _compare(ledger: PrivacyLedger, what: str) -> float:
 
 
 def _recipe_ledger(name: str) -> PrivacyLedger:
+    from dpbert.config.plan import make_plan
     from dpbert.config.recipe import load_recipe
-    from dpbert.train.pretrain import make_plan
 
     recipe = load_recipe(RECIPES / name)
     n = getattr(recipe.privacy, "dataset_size", None) or recipe.target.dataset_size or FALLBACK_N

@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 
 from dpbert.cli import main
+from dpbert.config.plan import make_plan
 from dpbert.config.recipe import load_recipe
 from dpbert.privacy.planner import PlanRow, _recommend, plan_batch_sizes
-from dpbert.train.pretrain import make_plan
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
 N, EPSILON, DELTA = 45_000, 8.0, 1e-6

@@ -26,8 +26,9 @@ from safetensors.numpy import load_file
 from dpbert.data.store import TokenStore
 from dpbert.privacy import PrivacyLedger
 from dpbert.train.checkpoint import CheckpointStore
+from dpbert.train.engine import NonFiniteLossError  # noqa: F401  (public API)
 from dpbert.train.metrics import plot_run, read_metrics
-from dpbert.train.pretrain import NonFiniteLossError, pretrain  # noqa: F401  (public API)
+from dpbert.train.pretrain import pretrain
 
 PHRASES = [
     "the president of the united states {w} the congress .",

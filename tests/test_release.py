@@ -82,8 +82,8 @@ def recipe_text(raw: dict | None = None) -> str:
 
 @functools.cache
 def _plan_ledger_json(text: str, dataset_size: int) -> str:
+    from dpbert.config.plan import make_plan
     from dpbert.config.recipe import load_recipe_dict
-    from dpbert.train.pretrain import make_plan
 
     recipe = load_recipe_dict(yaml.safe_load(text))
     return json.dumps(make_plan(recipe, dataset_size, dataset_size_source="rounded").ledger.to_dict())

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from dpbert.bench import MODELS, RECIPE_PRESETS
+from dpbert.config.plan import make_plan
 from dpbert.config.recipe import load_recipe
 from dpbert.data.tokenizer import (
     load_tokenizer,
@@ -18,7 +19,7 @@ from dpbert.data.tokenizer import (
     public_vocab_subset_dir,
     resolve_tokenizer,
 )
-from dpbert.train.pretrain import make_plan, max_predictions, recipe_reference
+from dpbert.train.pretrain import max_predictions, recipe_reference
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
 TEXT = (

@@ -123,8 +123,8 @@ def test_a_declared_dataset_size_is_checked_even_with_fixed_noise(hf_model_dir: 
     raw = copy.deepcopy(RECIPE)
     raw["privacy"] = {**raw["privacy"], "noise_multiplier": 1.0, "target_epsilon": None, "dataset_size": 1000}
     text = recipe_text(raw)
+    from dpbert.config.plan import make_plan
     from dpbert.config.recipe import load_recipe_dict
-    from dpbert.train.pretrain import make_plan
 
     ledger = make_plan(load_recipe_dict(raw), 1000, dataset_size_source="declared").ledger.to_dict()
     release = export_run(_make_run(tmp_path, hf_model_dir, ledger=ledger, recipe=text), tmp_path / "genuine")

@@ -91,8 +91,8 @@ def ledger_from_flags(args: argparse.Namespace) -> PrivacyLedger:
 
 def ledger_from_recipe(args: argparse.Namespace) -> PrivacyLedger:
     """The ledger the trainer would plan for the recipe (same code path as `dpbert pretrain`)."""
+    from dpbert.config.plan import make_plan
     from dpbert.config.recipe import load_recipe
-    from dpbert.train.pretrain import make_plan
 
     recipe = load_recipe(args.recipe, args.set or ())
     if not recipe.privacy.enabled:

@@ -299,9 +299,9 @@ def _rebuilt_pretraining(content: str, dataset_size: int) -> tuple[str, int]:
     because calibrating noise takes seconds and verify runs more than once on a release."""
     import yaml
 
+    from dpbert.config.plan import make_plan
     from dpbert.config.recipe import load_recipe_dict
     from dpbert.privacy.accounting import round_down_significant
-    from dpbert.train.pretrain import make_plan
 
     try:
         raw = yaml.safe_load(content)

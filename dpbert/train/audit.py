@@ -277,7 +277,7 @@ def run_audit(
     included = canary_inclusion(canary_key, num_canaries)
 
     if kind == "gradient":
-        from dpbert.train.pretrain import make_plan
+        from dpbert.config.plan import make_plan
 
         plan = make_plan(recipe, n_train + int(included.sum()))
         config = GradientCanaryConfig(

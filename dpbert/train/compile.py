@@ -163,7 +163,8 @@ def _physical(recipe: Recipe, stage_index: int, devices: int) -> int:
     """The trainer's compiled batch for a stage on `devices` devices: the ledger's physical batch
     for `target.dataset_size` padded to devices x micro-batch; without a dataset size, the
     expected batch padded (no Poisson margin)."""
-    from dpbert.train.pretrain import device_batch_size, ledger_physical_batch_sizes
+    from dpbert.config.plan import ledger_physical_batch_sizes
+    from dpbert.train.engine import device_batch_size
 
     mb = recipe.train.microbatch_size
     n = recipe.target.dataset_size

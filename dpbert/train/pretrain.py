@@ -56,12 +56,9 @@ has its surplus corrupted in the input but not scored, as in BERT's
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import json
 import math
 import os
 import re
-import signal
 import sys
 import time
 from collections.abc import Callable, Iterable
@@ -76,50 +73,42 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from dpbert.atomic import replace_dir, write_json
+from dpbert.config.plan import make_plan, public_dataset_size
 from dpbert.config.recipe import Recipe, load_recipe, recipe_to_dict, save_recipe
 from dpbert.data.masking import example_mask_key, mask_tokens
 from dpbert.data.store import TokenStore, prepare_store
 from dpbert.data.tokenizer import load_tokenizer, resolve_tokenizer
 from dpbert.model import functional
 from dpbert.model.bert import BertForMaskedLM
-from dpbert.privacy import (
-    BatchSchedule,
-    PrivacyLedger,
-    Stage,
-    calibrate_noise_multiplier,
-    default_optimizer,
-    make_dp_train_step,
-    make_train_step,
-    physical_batch_size,
-    step_key,
-)
-from dpbert.privacy.accounting import (
-    DOCUMENT_UNIT,
-    MAX_TRUNCATION_DELTA_FRACTION,
-    PRIVACY_UNIT,
-    round_down_significant,
-)
 from dpbert.privacy.documents import SEQUENCE_PADDING
 from dpbert.privacy.dp_step import StepFn
 from dpbert.privacy.ghost_clipping import MLMGhostLoss
-from dpbert.privacy.randomness import SECRET_FILE, RunSecret, mechanism_key, read_secret, run_secret
+from dpbert.privacy.randomness import SECRET_FILE, RunSecret, mechanism_key, read_secret
 from dpbert.privacy.sampling import check_document_offsets
 from dpbert.train import distributed
 from dpbert.train.checkpoint import CheckpointStore
 from dpbert.train.device import device_settings
-from dpbert.train.mesh import batch_axes, make_mesh, state_shardings
-from dpbert.train.metrics import MetricsLog, truncate_after
-from dpbert.train.state import TrainState, ledger_text
+from dpbert.train.engine import (
+    Checkpointing,
+    Hook,
+    Sample,
+    adamw,
+    device_batch_size,
+    dp_step,
+    fingerprint,
+    has_checkpoints,
+    restore_or_init,
+    run_loop,
+    secret_for_run,
+)
+from dpbert.train.mesh import make_mesh, state_shardings
+from dpbert.train.metrics import MetricsLog
+from dpbert.train.state import TrainState
 
 RANDOMNESS_FILE = "randomness.json"
-NONPRIVATE_LEDGER = {"private": False, "note": "non-private baseline: no clipping, no noise, no guarantee"}
 # Held-out masking uses its own fixed key, the same for every run and seed, so private and
 # non-private runs are scored on identical masks.
 EVAL_MASK_KEY_SEED = 0x65766C  # "evl"
-
-
-class NonFiniteLossError(RuntimeError):
-    """Training produced a NaN or infinite loss."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -271,121 +260,6 @@ def make_eval_fn(
 # ---------------------------------------------------------------------------- privacy plan
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class Plan:
-    """The run's schedule with noise multipliers (0 when non-private) and physical batch sizes."""
-
-    schedule: BatchSchedule
-    physical_batch_sizes: tuple[int, ...]
-    ledger: PrivacyLedger | None  # the full planned ledger; None when non-private
-    _epsilons: dict[int, float] = dataclasses.field(default_factory=dict, repr=False, compare=False)
-
-    def ledger_after(self, steps: int) -> dict[str, Any]:
-        return NONPRIVATE_LEDGER if self.ledger is None else self.ledger.spent(steps).to_dict()
-
-    def epsilon_after(self, steps: int) -> float | None:
-        """Epsilon spent by the first `steps` steps (None when non-private); memoized."""
-        if self.ledger is None:
-            return None
-        if steps not in self._epsilons:
-            self._epsilons[steps] = self.ledger.spent(steps).epsilon()
-        return self._epsilons[steps]
-
-
-def ledger_physical_batch_sizes(recipe: Recipe, dataset_size: int) -> tuple[int, ...]:
-    """Each stage's physical batch as the ledger records it (the Poisson sample is truncated
-    there): a multiple of the micro-batch size whose overflow probability per step is small
-    enough. Private runs give truncation, whose (1 + e^eps) * P[overflow] adds to delta, half
-    of what the budget check allows, spread over all steps; non-private runs use the default
-    bound. Independent of the devices: `device_batch_size` pads it for the mesh."""
-    p, mb = recipe.privacy, recipe.train.microbatch_size
-    if not p.enabled:
-        return tuple(physical_batch_size(s.expected_batch_size, dataset_size, multiple=mb) for s in recipe.schedule)
-    eps_bound = p.target_epsilon if p.target_epsilon is not None else 50.0
-    per_step = (
-        0.5 * MAX_TRUNCATION_DELTA_FRACTION * p.delta / ((1 + math.exp(min(eps_bound, 700.0))) * recipe.total_steps)
-    )
-    return tuple(
-        physical_batch_size(s.expected_batch_size, dataset_size, overflow_probability_bound=per_step, multiple=mb)
-        for s in recipe.schedule
-    )
-
-
-def device_batch_size(physical: int, devices: int, microbatch_size: int) -> int:
-    """Rows of the compiled step: `physical` rounded up to a multiple of devices x micro-batch
-    (the extra rows are padding, never sampled)."""
-    multiple = devices * microbatch_size
-    return -(-physical // multiple) * multiple
-
-
-def public_dataset_size(recipe: Recipe, available: int) -> tuple[int, str]:
-    """(N, source): the public number of training sequences a private run samples from, and
-    whether it was "declared" (`privacy.dataset_size`) or "rounded" (the store's count rounded
-    down to 2 significant digits). Non-private runs use every sequence ("exact")."""
-    declared = recipe.privacy.dataset_size
-    if not recipe.privacy.enabled:
-        return available, "exact"
-    if declared is None:
-        return round_down_significant(available), "rounded"
-    if declared > available:
-        units = "documents" if recipe.privacy.unit == "document" else "sequences"
-        raise ValueError(
-            f"recipe field 'privacy.dataset_size': {declared} exceeds the {available} training "
-            f"{units} of the token store"
-        )
-    return declared, "declared"
-
-
-def make_plan(recipe: Recipe, dataset_size: int, *, dataset_size_source: str = "exact") -> Plan:
-    """Noise multipliers (fixed or calibrated), physical batches, and the budget check.
-
-    With `privacy.unit: document`, `dataset_size` and every batch size count documents."""
-    p = recipe.privacy
-    for i, s in enumerate(recipe.schedule):
-        if s.expected_batch_size > dataset_size:
-            raise ValueError(
-                f"recipe field 'schedule[{i}].expected_batch_size': {s.expected_batch_size} exceeds the "
-                f"{dataset_size} training {'documents' if p.unit == 'document' else 'examples'} of the token store"
-            )
-    base = BatchSchedule(
-        stages=tuple(
-            Stage(steps=s.steps, expected_batch_size=s.expected_batch_size, noise_multiplier=p.noise_multiplier or 1.0)
-            for s in recipe.schedule
-        )
-    )
-    physical = ledger_physical_batch_sizes(recipe, dataset_size)
-    if not p.enabled:
-        return Plan(
-            schedule=base.with_noise_multipliers([0.0] * len(base.stages)), physical_batch_sizes=physical, ledger=None
-        )
-    if p.noise_multiplier is None:
-        schedule = calibrate_noise_multiplier(
-            base,
-            dataset_size=dataset_size,
-            target_epsilon=p.target_epsilon,
-            delta=p.delta,
-            accountant=p.accountant,
-            per_stage=p.calibrate == "per_stage",
-        )
-    else:
-        schedule = base
-    document = p.unit == "document"
-    ledger = PrivacyLedger.for_schedule(
-        schedule,
-        dataset_size=dataset_size,
-        delta=p.delta,
-        clip_norm=p.clip_norm,
-        accountant=p.accountant,
-        physical_batch_sizes=list(physical),
-        target_epsilon=p.target_epsilon,
-        dataset_size_source=dataset_size_source,
-        privacy_unit=DOCUMENT_UNIT if document else PRIVACY_UNIT,
-        max_sequences_per_document=p.max_sequences_per_document if document else None,
-    )
-    ledger.check_budget()
-    return Plan(schedule=schedule, physical_batch_sizes=physical, ledger=ledger)
-
-
 # ---------------------------------------------------------------------------- model, state and step
 
 
@@ -421,7 +295,7 @@ def bert_config(recipe: Recipe, tokenizer_vocab_size: int | None = None) -> Any:
 
 def make_optimizer(recipe: Recipe) -> optax.GradientTransformation:
     o = recipe.optimizer
-    return default_optimizer(_learning_rate(recipe), weight_decay=o.weight_decay, b1=o.b1, b2=o.b2, eps=o.eps)
+    return adamw(learning_rate(recipe), weight_decay=o.weight_decay, b1=o.b1, b2=o.b2, eps=o.eps)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -503,32 +377,24 @@ def make_step(
     """The jitted step of one schedule stage exactly as the trainer runs it (and as
     `dpbert pretrain --compile-only` compiles it): batch split over all mesh axes, state in
     `shardings`, params and optimizer state donated."""
-    common: dict[str, Any] = {
-        "microbatch_size": recipe.train.microbatch_size,
-        "mesh": mesh,
-        "data_axis": batch_axes(mesh),
-        "state_shardings": shardings,
-    }
-    if not recipe.privacy.enabled:
-        return make_train_step(loss_fn, optimizer, **common)
-    if recipe.train.clipping == "auto" and jax.process_count() > 1:
-        # "auto" times both methods on each host; hosts could pick different programs.
-        raise ValueError("recipe field 'train.clipping': 'auto' is single-process only; choose ghost or vmap")
-    return make_dp_train_step(
+    return dp_step(
         loss_fn,
         optimizer,
+        private=recipe.privacy.enabled,
         clip_norm=recipe.privacy.clip_norm,
         noise_multiplier=noise_multiplier,
         expected_batch_size=expected_batch_size,
-        clipping_method=recipe.train.clipping,
-        **common,
+        microbatch_size=recipe.train.microbatch_size,
+        clipping=recipe.train.clipping,
+        mesh=mesh,
+        shardings=shardings,
     )
 
 
 # ---------------------------------------------------------------------------- helpers
 
 
-def _learning_rate(recipe: Recipe) -> optax.Schedule:
+def learning_rate(recipe: Recipe) -> optax.Schedule:
     o, total = recipe.optimizer, recipe.total_steps
     end = o.learning_rate * o.end_learning_rate_fraction
     decay_steps = max(total - o.warmup_steps, 1)
@@ -542,32 +408,6 @@ def _learning_rate(recipe: Recipe) -> optax.Schedule:
         return decay
     warmup = optax.linear_schedule(0.0, o.learning_rate, o.warmup_steps)
     return optax.join_schedules([warmup, decay], [o.warmup_steps])
-
-
-def _fingerprint(obj: Any) -> str:
-    return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:16]
-
-
-class _StopFlag:
-    """Set by SIGTERM; the loop checkpoints and returns at the next step boundary."""
-
-    def __init__(self) -> None:
-        self.stop = False
-        self._previous: Any = None
-
-    def __enter__(self) -> _StopFlag:
-        try:
-            self._previous = signal.signal(signal.SIGTERM, self._handle)
-        except ValueError:  # not the main thread: no signal handling, nothing to restore
-            self._previous = None
-        return self
-
-    def _handle(self, signum: int, frame: Any) -> None:
-        self.stop = True
-
-    def __exit__(self, *exc: Any) -> None:
-        if self._previous is not None:
-            signal.signal(signal.SIGTERM, self._previous)
 
 
 def unigram_token(store: TokenStore, dataset_size: int, special_token_ids: Iterable[int], *, chunk: int = 8192) -> int:
@@ -687,7 +527,7 @@ def pretrain(
     recipe = load_recipe(recipe_path, overrides)
     run_dir = Path(output_dir)
     ckpt_dir = run_dir / "checkpoints"
-    if not resume and _has_checkpoints(ckpt_dir):
+    if not resume and has_checkpoints(ckpt_dir):
         raise ValueError(
             f"run folder {run_dir} already holds checkpoints; pass --resume to continue it or choose another --output-dir"
         )
@@ -771,7 +611,7 @@ def pretrain(
     secret = None
     if recipe.privacy.enabled:
         if primary:
-            secret = _run_secret(ckpt_dir, resume=resume, supplied=noise_seed_file)
+            secret = secret_for_run(ckpt_dir, resume=resume, supplied=noise_seed_file)
         distributed.barrier("dpbert pretrain: noise secret ready")
         secret = secret or read_secret(ckpt_dir / SECRET_FILE)  # the other processes read process 0's
     masking_key, stage_keys = run_keys(recipe, secret, mechanism)
@@ -803,57 +643,89 @@ def pretrain(
     # --- state: restored into its shardings, or created in them
     fingerprints = {
         # remat trades memory for compute and changes no result: a resume may switch it.
-        "model": _fingerprint({k: v for k, v in recipe_to_dict(recipe)["model"].items() if k != "remat"}),
+        "model": fingerprint({k: v for k, v in recipe_to_dict(recipe)["model"].items() if k != "remat"}),
         "data": f"{manifest.tokenizer_fingerprint[:16]}/{manifest.corpus_sha256[:16]}/{n_train}/{manifest.seq_len}",
-        "optimizer": _fingerprint(recipe_to_dict(recipe)["optimizer"]),
+        "optimizer": fingerprint(recipe_to_dict(recipe)["optimizer"]),
         "seed": str(recipe.train.seed),
         "private": str(recipe.privacy.enabled),
     }
     checkpoints = CheckpointStore(ckpt_dir, keep=recipe.train.keep_checkpoints)
     metrics_path = run_dir / "metrics.jsonl"
-    if resume and checkpoints.latest_step() is not None:
-        like = TrainState(
-            params=abstract.params, opt_state=abstract.opt_state, step=0, ledger_json=ledger_text(plan.ledger_after(0))
-        )
-        state = checkpoints.restore(like, fingerprints)
-        if state.step > recipe.total_steps:
-            raise ValueError(
-                f"checkpoint at step {state.step} is past the recipe's {recipe.total_steps} steps; "
-                "the schedule cannot shrink below the steps already taken"
-            )
-        if state.ledger != plan.ledger_after(state.step):
-            raise ValueError(
-                f"checkpoint {ckpt_dir / str(state.step)}: its privacy ledger does not match this recipe's plan "
-                "for the steps already taken (noise multiplier, batch sizes, delta or dataset changed); "
-                "a resumed run must replay the same steps"
-            )
-        if primary:
-            truncate_after(metrics_path, state.step)
-        log(f"resumed from step {state.step}")
-    else:
-        params, opt_state = init_state(recipe, abstract, optimizer)
-        state = TrainState(params=params, opt_state=opt_state, step=0, ledger_json=ledger_text(plan.ledger_after(0)))
-        if primary and metrics_path.exists():
-            metrics_path.unlink()
+    state = restore_or_init(
+        checkpoints,
+        resume=resume,
+        like=(abstract.params, abstract.opt_state),
+        init=lambda: init_state(recipe, abstract, optimizer),
+        fingerprints=fingerprints,
+        plan=plan,
+        total_steps=recipe.total_steps,
+        metrics_paths=(metrics_path,),
+        log=log,
+    )
     if primary:
         save_recipe(written, run_dir / "recipe.yaml")
         if secret is not None:
             write_json(run_dir / RANDOMNESS_FILE, {"source": secret.source})
 
     # --- loop
-    step_fns: dict[int, Callable[..., Any]] = {}
     metrics = MetricsLog(metrics_path) if primary else None
     total = recipe.total_steps
-    stopped = False
-    last_eval: dict[str, float] | None = None
     bar = _progress_bar(total, state.step, enabled=progress and primary)
 
-    def save_checkpoint(state: TrainState) -> None:
-        checkpoints.save(state, fingerprints)  # collective: every process writes its shards
-        if primary and plan.ledger is not None:
-            write_json(run_dir / "privacy.json", state.ledger)
+    def make_stage_step(index: int) -> Any:
+        stage = plan.schedule.stages[index]
+        return make_step(
+            recipe,
+            loss_fn,
+            optimizer,
+            noise_multiplier=stage.noise_multiplier,
+            expected_batch_size=stage.expected_batch_size,
+            mesh=mesh,
+            shardings=abstract.shardings,
+        )
 
-    def run_eval(state: TrainState) -> dict[str, float]:
+    def sample(index: int, t: int) -> Sample:
+        """This process's rows only; the ledger's truncation size, padded for the mesh."""
+        stage = plan.schedule.stages[index]
+        if offsets is None:
+            drawn, rows = distributed.local_batch(
+                train_store,
+                stage_keys[index],
+                t,
+                dataset_size=n_train,
+                expected_batch_size=stage.expected_batch_size,
+                physical_batch_size=plan.physical_batch_sizes[index],
+                padded_batch_size=device_batches[index],
+            )
+            extra = {}
+        else:
+            drawn, rows = distributed.local_document_batch(
+                train_store,
+                stage_keys[index],
+                t,
+                document_offsets=offsets,
+                num_documents=n_train,
+                expected_batch_size=stage.expected_batch_size,
+                physical_batch_size=plan.physical_batch_sizes[index],
+                max_sequences_per_document=recipe.privacy.max_sequences_per_document,
+                padded_batch_size=device_batches[index],
+            )
+            extra = {SEQUENCE_PADDING: drawn.sequence_padding}
+        batch, is_padding = distributed.global_array(
+            (
+                {
+                    "input_ids": rows.astype(np.int32),
+                    "index": drawn.indices.astype(np.int32),
+                    "step": np.full(drawn.indices.shape, t, np.int32),
+                    **extra,
+                },
+                drawn.is_padding,
+            ),
+            mesh,
+        )
+        return Sample(batch=batch, is_padding=is_padding, realized_size=drawn.realized_size)
+
+    def run_eval(state: TrainState) -> dict[str, Any]:
         result = evaluate(
             state.params,
             eval_fn,
@@ -863,125 +735,49 @@ def pretrain(
             mesh=mesh,
             unigram=unigram,
         )
-        if metrics is not None:
-            metrics.write({"kind": "eval", "step": state.step, **result})
-        return {"step": state.step, **result}
+        return {"kind": "eval", "step": state.step, **result}
+
+    def periodic_eval(state: TrainState) -> dict[str, Any]:
+        record = run_eval(state)
+        bar.write(
+            f"step {state.step}: held-out MLM accuracy {record['eval_mlm_accuracy']:.4f}, "
+            f"loss {record['eval_mlm_loss']:.3f} (unigram baseline {record['eval_unigram_accuracy']:.4f})"
+        )
+        return record
+
+    def after_save(state: TrainState) -> None:
+        if plan.ledger is not None:
+            write_json(run_dir / "privacy.json", state.ledger)
 
     try:
-        with _StopFlag() as flag:
-            while state.step < total:
-                t = state.step
-                pos = plan.schedule.stage_at(t)
-                stage = pos.stage
-                if pos.index not in step_fns:
-                    step_fns[pos.index] = make_step(
-                        recipe,
-                        loss_fn,
-                        optimizer,
-                        noise_multiplier=stage.noise_multiplier,
-                        expected_batch_size=stage.expected_batch_size,
-                        mesh=mesh,
-                        shardings=abstract.shardings,
-                    )
-                tick = time.perf_counter()
-                # This process's rows only; the ledger's truncation size, padded for the mesh.
-                if offsets is None:
-                    sample, rows = distributed.local_batch(
-                        train_store,
-                        stage_keys[pos.index],
-                        t,
-                        dataset_size=n_train,
-                        expected_batch_size=stage.expected_batch_size,
-                        physical_batch_size=plan.physical_batch_sizes[pos.index],
-                        padded_batch_size=device_batches[pos.index],
-                    )
-                    extra = {}
-                else:
-                    sample, rows = distributed.local_document_batch(
-                        train_store,
-                        stage_keys[pos.index],
-                        t,
-                        document_offsets=offsets,
-                        num_documents=n_train,
-                        expected_batch_size=stage.expected_batch_size,
-                        physical_batch_size=plan.physical_batch_sizes[pos.index],
-                        max_sequences_per_document=recipe.privacy.max_sequences_per_document,
-                        padded_batch_size=device_batches[pos.index],
-                    )
-                    extra = {SEQUENCE_PADDING: sample.sequence_padding}
-                batch, is_padding = distributed.global_array(
-                    (
-                        {
-                            "input_ids": rows.astype(np.int32),
-                            "index": sample.indices.astype(np.int32),
-                            "step": np.full(sample.indices.shape, t, np.int32),
-                            **extra,
-                        },
-                        sample.is_padding,
-                    ),
-                    mesh,
-                )
-                params, opt_state, out = step_fns[pos.index](
-                    state.params, state.opt_state, batch, is_padding, step_key(stage_keys[pos.index], t)
-                )
-                loss = float(out["nonprivate/loss"])
-                if not math.isfinite(loss):
-                    raise NonFiniteLossError(
-                        f"non-finite training loss {loss} at step {t + 1} (learning rate too high, or bad data); "
-                        f"the last good checkpoint is in {ckpt_dir}"
-                    )
-                state = state.replace(
-                    params=params, opt_state=opt_state, step=t + 1, ledger_json=ledger_text(plan.ledger_after(t + 1))
-                )
-                elapsed = time.perf_counter() - tick
-                if metrics is not None and (state.step % recipe.train.log_every == 0 or state.step == total):
-                    epsilon = plan.epsilon_after(state.step)
-                    metrics.write(
-                        {
-                            "kind": "train",
-                            "step": state.step,
-                            "expected_batch_size": stage.expected_batch_size,
-                            "realized_batch_size": sample.realized_size,
-                            "physical_batch_size": plan.physical_batch_sizes[pos.index],
-                            "epsilon": epsilon,
-                            "learning_rate": float(_learning_rate(recipe)(t)),
-                            "examples_per_s": sample.realized_size / elapsed,
-                            "step_time_s": elapsed,
-                            "nonprivate_diagnostics": {
-                                k.split("/", 1)[1]: float(v) for k, v in out.items() if k.startswith("nonprivate/")
-                            },
-                        }
-                    )
-                    bar.set_postfix_str(
-                        f"loss {loss:.3f} (non-private diag.)" + ("" if epsilon is None else f", eps {epsilon:.2f}")
-                    )
-                bar.update(1)
-                if recipe.train.eval_every and state.step % recipe.train.eval_every == 0 and state.step < total:
-                    last_eval = run_eval(state)
-                    bar.write(
-                        f"step {state.step}: held-out MLM accuracy {last_eval['eval_mlm_accuracy']:.4f}, "
-                        f"loss {last_eval['eval_mlm_loss']:.3f} (unigram baseline "
-                        f"{last_eval['eval_unigram_accuracy']:.4f})"
-                    )
-                if state.step % recipe.train.checkpoint_every == 0 or state.step == total:
-                    save_checkpoint(state)
-                # Every process stops at the same step, whichever of them got the signal.
-                if distributed.any_process(flag.stop) and state.step < total:
-                    save_checkpoint(state)
-                    stopped = True
-                    bar.write(
-                        f"SIGTERM: checkpoint written at step {state.step} in {ckpt_dir}; "
-                        "rerun with --resume to continue"
-                    )
-                    break
-            if not stopped:
-                save_checkpoint(state)
-                last_eval = run_eval(state)
+        loop = run_loop(
+            state,
+            plan=plan,
+            stage_keys=stage_keys,
+            make_step=make_stage_step,
+            sample=sample,
+            checkpointing=Checkpointing(
+                store=checkpoints, fingerprints=fingerprints, every=recipe.train.checkpoint_every, after_save=after_save
+            ),
+            metrics=metrics,
+            log_every=recipe.train.log_every,
+            learning_rate=learning_rate(recipe),
+            hooks=(Hook(every=recipe.train.eval_every, fn=periodic_eval),),
+            progress=bar,
+            log=bar.write if primary else _silent,
+        )
+        state = loop.state
+        last_eval = None
+        if not loop.stopped:
+            last_eval = run_eval(state)
+            if metrics is not None:
+                metrics.write(last_eval)
     finally:
         bar.close()
         if metrics is not None:
             metrics.close()
         checkpoints.close()
+    stopped = loop.stopped
 
     # --- end of run
     epsilon = plan.epsilon_after(state.step)
@@ -1061,24 +857,6 @@ def _write_hf(model: BertForMaskedLM, tokenizer: Any, out: Path, *, ledger: dict
         tokenizer.save_pretrained(str(tmp))
         if ledger is not None:
             write_json(tmp / "privacy.json", ledger)
-
-
-def _has_checkpoints(ckpt_dir: Path) -> bool:
-    """Whether `ckpt_dir` holds a step folder (the noise secret alone is not a checkpoint)."""
-    return ckpt_dir.is_dir() and any(p.name.isdigit() for p in ckpt_dir.iterdir())
-
-
-def _run_secret(ckpt_dir: Path, *, resume: bool, supplied: str | os.PathLike[str] | None) -> RunSecret:
-    """The run's secret (see `dpbert.privacy.randomness.run_secret`); a resume whose
-    checkpoints outlived their secret is refused, since it could not replay its steps."""
-    path = ckpt_dir / SECRET_FILE
-    if resume and _has_checkpoints(ckpt_dir) and not path.exists():
-        raise ValueError(
-            f"{path}: missing; the checkpoints of this private run cannot be resumed without the "
-            "secret they were trained with (start a new run in another --output-dir)"
-        )
-    ckpt_dir.mkdir(parents=True, exist_ok=True)
-    return run_secret(path, reuse=resume, supplied=supplied)
 
 
 def run_keys(recipe: Recipe, secret: RunSecret | None, mechanism: str) -> tuple[jax.Array, tuple[jax.Array, ...]]:

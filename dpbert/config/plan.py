@@ -1,0 +1,148 @@
+"""The privacy plan of a run, built from its recipe alone: pure, so that training, `dpbert verify`
+and `dpbert privacy` rebuild the same ledger.
+
+`make_plan(recipe, N)` calibrates (or takes) the noise multipliers, sizes each stage's physical
+batch (the Poisson sample's truncation) and refuses a schedule that would pass the target
+epsilon; `Plan` answers "which ledger covers the first t steps" for checkpoints and exports.
+
+Guarantees: the truncation of a private run's Poisson sample at the physical batch adds
+(1 + e^eps) * P[overflow] per step to delta; `truncation_overflow_bound` keeps the sum over
+every step at half of what the budget check allows (`MAX_TRUNCATION_DELTA_FRACTION` of delta),
+for pretraining and fine-tuning alike.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+from dpbert.config.recipe import Recipe
+from dpbert.privacy import BatchSchedule, PrivacyLedger, Stage, calibrate_noise_multiplier, physical_batch_size
+from dpbert.privacy.accounting import (
+    DOCUMENT_UNIT,
+    MAX_TRUNCATION_DELTA_FRACTION,
+    PRIVACY_UNIT,
+    round_down_significant,
+)
+
+NONPRIVATE_LEDGER = {"private": False, "note": "non-private baseline: no clipping, no noise, no guarantee"}
+# The epsilon the truncation bound assumes when a run fixes its noise multiplier instead of a target.
+UNTARGETED_EPSILON_BOUND = 50.0
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Plan:
+    """A run's schedule with noise multipliers (0 when non-private) and physical batch sizes.
+
+    `ledger` is the full planned ledger (None when non-private). `steps_before`: steps of
+    earlier runs composed in the same ledger (a fine-tuning sweep's earlier runs), so that the
+    ledger after this run's t steps is `ledger.spent(steps_before + t)`."""
+
+    schedule: BatchSchedule
+    physical_batch_sizes: tuple[int, ...]
+    ledger: PrivacyLedger | None
+    steps_before: int = 0
+    _epsilons: dict[int, float] = dataclasses.field(default_factory=dict, repr=False, compare=False)
+
+    def ledger_after(self, steps: int) -> dict[str, Any]:
+        """The ledger of the first `steps` steps of this run, as a dict."""
+        return NONPRIVATE_LEDGER if self.ledger is None else self.ledger.spent(self.steps_before + steps).to_dict()
+
+    def epsilon_after(self, steps: int) -> float | None:
+        """Epsilon spent by the first `steps` steps (None when non-private); memoized."""
+        if self.ledger is None:
+            return None
+        if steps not in self._epsilons:
+            self._epsilons[steps] = self.ledger.spent(self.steps_before + steps).epsilon()
+        return self._epsilons[steps]
+
+
+def truncation_overflow_bound(*, delta: float, target_epsilon: float | None, total_steps: int) -> float:
+    """P[Poisson sample > physical batch] allowed per step: (1 + e^eps) * bound * steps is half of
+    `MAX_TRUNCATION_DELTA_FRACTION * delta` (the share of delta the budget check allows)."""
+    eps = target_epsilon if target_epsilon is not None else UNTARGETED_EPSILON_BOUND
+    return 0.5 * MAX_TRUNCATION_DELTA_FRACTION * delta / ((1 + math.exp(min(eps, 700.0))) * total_steps)
+
+
+def ledger_physical_batch_sizes(recipe: Recipe, dataset_size: int) -> tuple[int, ...]:
+    """Each stage's physical batch as the ledger records it (the Poisson sample is truncated
+    there): a multiple of the micro-batch size whose overflow probability per step is small
+    enough (`truncation_overflow_bound` for private runs; the default bound otherwise).
+    Independent of the devices: `dpbert.train.engine.device_batch_size` pads it for the mesh."""
+    p, mb = recipe.privacy, recipe.train.microbatch_size
+    if not p.enabled:
+        return tuple(physical_batch_size(s.expected_batch_size, dataset_size, multiple=mb) for s in recipe.schedule)
+    per_step = truncation_overflow_bound(delta=p.delta, target_epsilon=p.target_epsilon, total_steps=recipe.total_steps)
+    return tuple(
+        physical_batch_size(s.expected_batch_size, dataset_size, overflow_probability_bound=per_step, multiple=mb)
+        for s in recipe.schedule
+    )
+
+
+def public_dataset_size(recipe: Recipe, available: int) -> tuple[int, str]:
+    """(N, source): the public number of training sequences a private run samples from, and
+    whether it was "declared" (`privacy.dataset_size`) or "rounded" (the store's count rounded
+    down to 2 significant digits). Non-private runs use every sequence ("exact")."""
+    declared = recipe.privacy.dataset_size
+    if not recipe.privacy.enabled:
+        return available, "exact"
+    if declared is None:
+        return round_down_significant(available), "rounded"
+    if declared > available:
+        units = "documents" if recipe.privacy.unit == "document" else "sequences"
+        raise ValueError(
+            f"recipe field 'privacy.dataset_size': {declared} exceeds the {available} training "
+            f"{units} of the token store"
+        )
+    return declared, "declared"
+
+
+def make_plan(recipe: Recipe, dataset_size: int, *, dataset_size_source: str = "exact") -> Plan:
+    """Noise multipliers (fixed or calibrated), physical batches, and the budget check.
+
+    With `privacy.unit: document`, `dataset_size` and every batch size count documents."""
+    p = recipe.privacy
+    for i, s in enumerate(recipe.schedule):
+        if s.expected_batch_size > dataset_size:
+            raise ValueError(
+                f"recipe field 'schedule[{i}].expected_batch_size': {s.expected_batch_size} exceeds the "
+                f"{dataset_size} training {'documents' if p.unit == 'document' else 'examples'} of the token store"
+            )
+    base = BatchSchedule(
+        stages=tuple(
+            Stage(steps=s.steps, expected_batch_size=s.expected_batch_size, noise_multiplier=p.noise_multiplier or 1.0)
+            for s in recipe.schedule
+        )
+    )
+    physical = ledger_physical_batch_sizes(recipe, dataset_size)
+    if not p.enabled:
+        return Plan(
+            schedule=base.with_noise_multipliers([0.0] * len(base.stages)), physical_batch_sizes=physical, ledger=None
+        )
+    if p.noise_multiplier is None:
+        schedule = calibrate_noise_multiplier(
+            base,
+            dataset_size=dataset_size,
+            target_epsilon=p.target_epsilon,
+            delta=p.delta,
+            accountant=p.accountant,
+            per_stage=p.calibrate == "per_stage",
+        )
+    else:
+        schedule = base
+    document = p.unit == "document"
+    ledger = PrivacyLedger.for_schedule(
+        schedule,
+        dataset_size=dataset_size,
+        delta=p.delta,
+        clip_norm=p.clip_norm,
+        accountant=p.accountant,
+        physical_batch_sizes=list(physical),
+        target_epsilon=p.target_epsilon,
+        dataset_size_source=dataset_size_source,
+        privacy_unit=DOCUMENT_UNIT if document else PRIVACY_UNIT,
+        max_sequences_per_document=p.max_sequences_per_document if document else None,
+    )
+    ledger.check_budget()
+    return Plan(schedule=schedule, physical_batch_sizes=physical, ledger=ledger)

@@ -1,0 +1,340 @@
+"""The DP training engine: one loop for every task that trains with DP-SGD (or its non-private twin).
+
+A task (pretraining, fine-tuning) hands the engine
+- a per-example loss `loss_fn(params, example, rng)` through `make_step`: `dp_step` builds the
+  jitted step of one stage with `dpbert.privacy.dp_step.make_dp_train_step` (an object with
+  layer taps, such as `MLMGhostLoss`, gets ghost clipping there) or `make_train_step`;
+- a plan (`dpbert.config.plan.Plan`: stages with expected batch sizes and noise multipliers,
+  the physical batch of each stage, the ledger after any number of steps), one key per stage
+  (from the run's secret: `run_secret` here, `dpbert.privacy.randomness.mechanism_key`), and
+  `sample(stage_index, t) -> Sample`, the Poisson sample of step t as global arrays;
+- hooks: `Hook`s called after every k-th step (evaluation), the metrics log
+  (`dpbert.train.metrics.MetricsLog`) and a `Checkpointing` (Orbax, `dpbert.train.checkpoint`).
+Export is the task's, after `run_loop` returns.
+
+The engine owns, for every task:
+- resume with exact replay: `restore_or_init` restores the latest checkpoint into the state's
+  shardings, refuses one whose ledger differs from the plan's for the steps taken, and drops
+  metrics records past it; the loop then takes step t with `step_key(stage_key, t)` and the
+  task's `sample(stage, t)`, so the resumed run takes exactly the uninterrupted run's steps and
+  the ledger in the state counts each completed step once;
+- SIGTERM: the current step finishes, a checkpoint is written, `run_loop` returns `stopped`;
+- a non-finite training loss raises `NonFiniteLossError` naming the step;
+- train records with the clipping statistics of the step (`nonprivate_diagnostics`: loss,
+  clipped fraction, non-finite examples: computed on the private batch, NOT covered by the
+  guarantee, labelled so) and epsilon spent.
+
+Optimizer rule shared by every task (`adamw`): AdamW with decoupled weight decay on every
+trained parameter (the rule the pretraining results were measured with; Anil et al. found a
+large decay helps under DP with scale-invariant layers).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+import os
+import signal
+import time
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+from typing import Any, Protocol
+
+import jax
+import optax
+from jax.sharding import Mesh
+
+from dpbert.config.plan import Plan
+from dpbert.privacy import make_dp_train_step, make_train_step, step_key
+from dpbert.privacy.dp_step import StepFn
+from dpbert.privacy.randomness import SECRET_FILE, RunSecret, run_secret
+from dpbert.train import distributed
+from dpbert.train.checkpoint import CheckpointStore
+from dpbert.train.mesh import batch_axes
+from dpbert.train.metrics import MetricsLog, truncate_after
+from dpbert.train.state import TrainState, ledger_text
+
+
+class NonFiniteLossError(RuntimeError):
+    """Training produced a NaN or infinite loss."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Sample:
+    """One step's batch as the compiled step takes it: `batch` and `is_padding` (global arrays,
+    leading axis = the compiled batch), `realized_size` the Poisson sample's size."""
+
+    batch: Any
+    is_padding: Any
+    realized_size: int
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Hook:
+    """`fn(state)` after every `every`-th completed step except the last (the task evaluates the
+    final state itself); what it returns, when not None, is written as a metrics record."""
+
+    every: int
+    fn: Callable[[TrainState], dict[str, Any] | None]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Checkpointing:
+    """Checkpoints every `every` steps, at the end and on SIGTERM; `after_save(state)` runs on
+    process 0 after each save (e.g. the ledger file beside the checkpoints)."""
+
+    store: CheckpointStore
+    fingerprints: dict[str, str]
+    every: int
+    after_save: Callable[[TrainState], None] = lambda state: None
+
+    def save(self, state: TrainState) -> None:
+        self.store.save(state, self.fingerprints)  # collective: every process writes its shards
+        if distributed.is_primary():
+            self.after_save(state)
+
+
+class Progress(Protocol):
+    """A progress bar (tqdm's interface)."""
+
+    def update(self, n: int) -> Any: ...
+    def set_postfix_str(self, s: str) -> Any: ...
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LoopResult:
+    state: TrainState
+    stopped: bool
+
+
+def adamw(
+    learning_rate: float | optax.Schedule, *, weight_decay: float, b1: float, b2: float, eps: float
+) -> optax.GradientTransformation:
+    """The engine's optimizer rule (module docstring): AdamW, decay on every trained parameter."""
+    return optax.adamw(learning_rate, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay)
+
+
+def device_batch_size(physical: int, devices: int, microbatch_size: int) -> int:
+    """Rows of the compiled step: `physical` rounded up to a multiple of devices x micro-batch
+    (the extra rows are padding, never sampled)."""
+    multiple = devices * microbatch_size
+    return -(-physical // multiple) * multiple
+
+
+def dp_step(
+    loss_fn: Any,
+    optimizer: optax.GradientTransformation,
+    *,
+    private: bool,
+    clip_norm: float,
+    noise_multiplier: float,
+    expected_batch_size: int,
+    microbatch_size: int,
+    clipping: str,
+    mesh: Mesh,
+    shardings: tuple[Any, Any] | None,
+) -> StepFn:
+    """The jitted step of one stage: batch split over all mesh axes, state in `shardings`,
+    params and optimizer state donated. `clipping`: "vmap", "ghost" or "auto" (speed only)."""
+    common: dict[str, Any] = {
+        "microbatch_size": microbatch_size,
+        "mesh": mesh,
+        "data_axis": batch_axes(mesh),
+        "state_shardings": shardings,
+    }
+    if not private:
+        return make_train_step(loss_fn, optimizer, **common)
+    if clipping == "auto" and jax.process_count() > 1:
+        # "auto" times both methods on each host; hosts could pick different programs.
+        raise ValueError("recipe field 'train.clipping': 'auto' is single-process only; choose ghost or vmap")
+    return make_dp_train_step(
+        loss_fn,
+        optimizer,
+        clip_norm=clip_norm,
+        noise_multiplier=noise_multiplier,
+        expected_batch_size=expected_batch_size,
+        clipping_method=clipping,
+        **common,
+    )
+
+
+def fingerprint(obj: Any) -> str:
+    """A short hash of JSON data (what a checkpoint's arrays depend on)."""
+    return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def has_checkpoints(ckpt_dir: Path) -> bool:
+    """Whether `ckpt_dir` holds a step folder (the noise secret alone is not a checkpoint)."""
+    return ckpt_dir.is_dir() and any(p.name.isdigit() for p in ckpt_dir.iterdir())
+
+
+def secret_for_run(ckpt_dir: Path, *, resume: bool, supplied: str | os.PathLike[str] | None) -> RunSecret:
+    """The run's secret, kept in `ckpt_dir` (see `dpbert.privacy.randomness.run_secret`); a resume
+    whose checkpoints outlived their secret is refused, since it could not replay its steps."""
+    path = ckpt_dir / SECRET_FILE
+    if resume and has_checkpoints(ckpt_dir) and not path.exists():
+        raise ValueError(
+            f"{path}: missing; the checkpoints of this private run cannot be resumed without the "
+            "secret they were trained with (start a new run in another --output-dir)"
+        )
+    ckpt_dir.mkdir(parents=True, exist_ok=True)
+    return run_secret(path, reuse=resume, supplied=supplied)
+
+
+def restore_or_init(
+    checkpoints: CheckpointStore,
+    *,
+    resume: bool,
+    like: tuple[Any, Any],
+    init: Callable[[], tuple[Any, Any]],
+    fingerprints: dict[str, str],
+    plan: Plan,
+    total_steps: int,
+    metrics_paths: Iterable[Path] = (),
+    log: Callable[[str], None] = print,
+) -> TrainState:
+    """The latest checkpoint restored into the structure (and shardings) of `like` = (params,
+    opt_state) when resuming, else `init()`'s fresh (params, opt_state) at step 0. A restored
+    state must be within `total_steps` and carry the plan's ledger for its steps; metrics
+    records past it are dropped (a fresh start removes the files)."""
+    primary = distributed.is_primary()
+    if resume and checkpoints.latest_step() is not None:
+        params, opt_state = like
+        template = TrainState(params=params, opt_state=opt_state, step=0, ledger_json=ledger_text(plan.ledger_after(0)))
+        state = checkpoints.restore(template, fingerprints)
+        if state.step > total_steps:
+            raise ValueError(
+                f"checkpoint at step {state.step} is past the recipe's {total_steps} steps; "
+                "the schedule cannot shrink below the steps already taken"
+            )
+        if state.ledger != plan.ledger_after(state.step):
+            raise ValueError(
+                f"checkpoint {checkpoints.directory / str(state.step)}: its privacy ledger does not match this "
+                "recipe's plan for the steps already taken (noise multiplier, batch sizes, delta or dataset "
+                "changed); a resumed run must replay the same steps"
+            )
+        if primary:
+            for path in metrics_paths:
+                truncate_after(path, state.step)
+        log(f"resumed from step {state.step}")
+        return state
+    params, opt_state = init()
+    if primary:
+        for path in metrics_paths:
+            path.unlink(missing_ok=True)
+    return TrainState(params=params, opt_state=opt_state, step=0, ledger_json=ledger_text(plan.ledger_after(0)))
+
+
+class StopFlag:
+    """Set by SIGTERM; the loop checkpoints and returns at the next step boundary."""
+
+    def __init__(self) -> None:
+        self.stop = False
+        self._previous: Any = None
+
+    def __enter__(self) -> StopFlag:
+        try:
+            self._previous = signal.signal(signal.SIGTERM, self._handle)
+        except ValueError:  # not the main thread: no signal handling, nothing to restore
+            self._previous = None
+        return self
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        self.stop = True
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGTERM, self._previous)
+
+
+def run_loop(
+    state: TrainState,
+    *,
+    plan: Plan,
+    stage_keys: Sequence[jax.Array],
+    make_step: Callable[[int], StepFn],
+    sample: Callable[[int, int], Sample],
+    checkpointing: Checkpointing,
+    metrics: MetricsLog | None,
+    log_every: int,
+    learning_rate: Callable[[int], Any],
+    hooks: Sequence[Hook] = (),
+    progress: Progress | None = None,
+    log: Callable[[str], None] = print,
+    record: dict[str, Any] | None = None,
+) -> LoopResult:
+    """Train from `state.step` to the end of `plan.schedule` (see the module docstring).
+
+    `make_step(stage_index)` and `sample(stage_index, t)` are the task's; the step of stage i is
+    built once. Train records (every `log_every` steps and the last) go to `metrics` (process 0
+    passes it, the others None), with the fields of `record` added; `log` says where a SIGTERM
+    left the checkpoint. Returns the final (or, after
+    SIGTERM, the checkpointed) state and whether the run stopped early."""
+    total = plan.schedule.total_steps
+    step_fns: dict[int, StepFn] = {}
+    with StopFlag() as flag:
+        while state.step < total:
+            t = state.step
+            pos = plan.schedule.stage_at(t)
+            stage = pos.stage
+            if pos.index not in step_fns:
+                step_fns[pos.index] = make_step(pos.index)
+            tick = time.perf_counter()
+            batch = sample(pos.index, t)
+            params, opt_state, out = step_fns[pos.index](
+                state.params, state.opt_state, batch.batch, batch.is_padding, step_key(stage_keys[pos.index], t)
+            )
+            loss = float(out["nonprivate/loss"])
+            if not math.isfinite(loss):
+                raise NonFiniteLossError(
+                    f"non-finite training loss {loss} at step {t + 1} (learning rate too high, or bad data); "
+                    f"the last good checkpoint is in {checkpointing.store.directory}"
+                )
+            state = state.replace(
+                params=params, opt_state=opt_state, step=t + 1, ledger_json=ledger_text(plan.ledger_after(t + 1))
+            )
+            elapsed = time.perf_counter() - tick
+            if metrics is not None and (state.step % log_every == 0 or state.step == total):
+                epsilon = plan.epsilon_after(state.step)
+                metrics.write(
+                    {
+                        **(record or {}),
+                        "kind": "train",
+                        "step": state.step,
+                        "expected_batch_size": stage.expected_batch_size,
+                        "realized_batch_size": batch.realized_size,
+                        "physical_batch_size": plan.physical_batch_sizes[pos.index],
+                        "epsilon": epsilon,
+                        "learning_rate": float(learning_rate(t)),
+                        "examples_per_s": batch.realized_size / elapsed,
+                        "step_time_s": elapsed,
+                        "nonprivate_diagnostics": {
+                            k.split("/", 1)[1]: float(v) for k, v in out.items() if k.startswith("nonprivate/")
+                        },
+                    }
+                )
+                if progress is not None:
+                    progress.set_postfix_str(
+                        f"loss {loss:.3f} (non-private diag.)" + ("" if epsilon is None else f", eps {epsilon:.2f}")
+                    )
+            if progress is not None:
+                progress.update(1)
+            for hook in hooks:
+                if hook.every and state.step % hook.every == 0 and state.step < total:
+                    result = hook.fn(state)
+                    if result is not None and metrics is not None:
+                        metrics.write({**(record or {}), **result})
+            if state.step % checkpointing.every == 0 or state.step == total:
+                checkpointing.save(state)
+            # Every process stops at the same step, whichever of them got the signal.
+            if distributed.any_process(flag.stop) and state.step < total:
+                checkpointing.save(state)
+                log(
+                    f"SIGTERM: checkpoint written at step {state.step} in {checkpointing.store.directory}; "
+                    "rerun with --resume to continue"
+                )
+                return LoopResult(state=state, stopped=True)
+    checkpointing.save(state)
+    return LoopResult(state=state, stopped=False)
