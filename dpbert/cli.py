@@ -137,14 +137,69 @@ def _add_finetune(sub: argparse._SubParsersAction) -> None:
         help="with --dp: one run per learning-rate factor, the best "
         "kept by its dev metric; the ledger composes every run",
     )
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="with --dp: continue from OUT/checkpoints (SIGTERM writes one; the resumed run replays exactly)",
+    )
     _add_noise_seed_file(p)
 
     def run(args: argparse.Namespace) -> int:
-        from dpbert.train.finetune import main
+        from dpbert.data.glue import HUB_DATASET_ID
+        from dpbert.train.finetune import finetune, finetune_all, load_config, summary_table
 
-        return main(args)
+        config = load_config(args.recipe, _finetune_overrides(args))
+        if args.task == "all":
+            if args.data_dir is None:
+                raise ValueError("--data-dir: --task all needs a GLUE root folder (CoLA/, SST-2/, ...)")
+            finetune_all(
+                model=args.model,
+                output_dir=args.output_dir,
+                glue_root=args.data_dir,
+                config=config,
+                noise_seed_file=args.noise_seed_file,
+                resume=args.resume,
+            )
+            return 0
+        result = finetune(
+            task=args.task,
+            model=args.model,
+            output_dir=args.output_dir,
+            data=args.data_dir or HUB_DATASET_ID,
+            config=config,
+            noise_seed_file=args.noise_seed_file,
+            resume=args.resume,
+        )
+        if not result.get("stopped_early"):
+            print(summary_table([result]))
+        return 0
 
     p.set_defaults(func=run)
+
+
+def _finetune_overrides(args: argparse.Namespace) -> list[str]:
+    """`dpbert finetune`'s flags as recipe overrides, after the recipe's own `--set`s."""
+    overrides = list(args.set or [])
+    if (args.epsilon is not None or args.delta is not None) and not args.dp:
+        raise ValueError("--epsilon/--delta: only meaningful with --dp")
+    if args.dp:
+        overrides.append("dp=true")
+    mode = "private" if args.dp else "nonprivate"
+    if args.trainable is not None:
+        overrides.append(f"{mode}.trainable={args.trainable}")
+    for flag, field in (("lora_rank", "rank"), ("lora_alpha", "alpha"), ("lora_targets", "targets")):
+        value = getattr(args, flag)
+        if value is not None:
+            overrides.append(f"lora.{field}=" + (f"[{value}]" if field == "targets" else str(value)))
+    if args.sweep:
+        if not args.dp:
+            raise ValueError("--sweep: only with --dp (it composes the privacy of every run)")
+        overrides.append("sweep.enabled=true")
+    if args.epsilon is not None:
+        overrides.append(f"privacy.epsilon={args.epsilon}")
+    if args.delta is not None:
+        overrides.append(f"privacy.delta={args.delta}")
+    return overrides
 
 
 def _add_demo(sub: argparse._SubParsersAction) -> None:

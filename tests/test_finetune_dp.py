@@ -140,3 +140,64 @@ def test_head_takes_larger_steps_than_the_body() -> None:
     for name, step in steps.items():
         head = name.startswith("classifier") or name.startswith("bert/pooler")
         assert step == pytest.approx(3e-3 if head else 1e-3, rel=1e-3), name
+
+
+def test_dp_finetune_stopped_by_sigterm_and_resumed_equals_the_uninterrupted_run(tiny: Path) -> None:
+    import os
+    import signal
+
+    import numpy as np
+    from safetensors.numpy import load_file
+
+    from dpbert.train.checkpoint import CheckpointStore
+    from dpbert.train.finetune import finetune, load_config
+
+    seed = tiny / "resume_secret.hex"
+    seed.write_text("ab" * 32)
+    # n = 800, expected batch 100: 8 steps per epoch, 24 steps; evaluated after every epoch.
+    config = load_config(None, ["dp=true", "max_seq_len=12", "private.batch_size=100", "private.epochs=3",
+                                "private.learning_rate=1e-2", "privacy.clip_norm=0.1", "privacy.accountant=rdp"])  # fmt: skip
+    common = {"task": "sst2", "model": str(tiny / "model"), "data": tiny / "SST-2", "config": config}
+    reference = finetune(output_dir=tiny / "uninterrupted", log=lambda s: None, noise_seed_file=seed, **common)
+    assert reference["steps"] == 24
+
+    def stop_after_first_epoch(line: str) -> None:
+        if "epoch 1 step 8:" in line:  # the engine finishes the step, checkpoints and returns
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    out = tiny / "interrupted"
+    stopped = finetune(output_dir=out, log=stop_after_first_epoch, noise_seed_file=seed, **common)
+    assert stopped["stopped_early"] and not (out / "model").exists()
+    assert CheckpointStore(out / "checkpoints" / "run-0").latest_step() == 8
+    with pytest.raises(ValueError, match="already holds checkpoints; pass --resume"):
+        finetune(output_dir=out, log=lambda s: None, **common)
+
+    resumed = finetune(output_dir=out, log=lambda s: None, resume=True, **common)  # the stored secret
+    assert resumed["steps"] == 24 and resumed["dev"] == reference["dev"]
+    assert json.loads((out / "privacy.json").read_text()) == json.loads(
+        (tiny / "uninterrupted" / "privacy.json").read_text()
+    )
+    assert resumed["privacy"] == reference["privacy"]
+    ref_weights = load_file(str(tiny / "uninterrupted" / "model" / "model.safetensors"))
+    new_weights = load_file(str(out / "model" / "model.safetensors"))
+    assert ref_weights.keys() == new_weights.keys()
+    for name, value in ref_weights.items():
+        np.testing.assert_allclose(new_weights[name], value, atol=1e-6, rtol=0, err_msg=name)
+
+    def records(run_dir: Path, name: str) -> list[dict]:
+        lines = (run_dir / name).read_text().splitlines()
+        return [
+            {k: v for k, v in json.loads(line).items() if k not in ("examples_per_s", "step_time_s")} for line in lines
+        ]
+
+    assert records(out, "evals.jsonl") == records(tiny / "uninterrupted", "evals.jsonl")
+    assert records(out, "train.jsonl") == records(tiny / "uninterrupted", "train.jsonl")
+    train = records(out, "train.jsonl")
+    assert [r["step"] for r in train] == [8, 16, 24] and all(r["epsilon"] > 0 for r in train)
+    assert 0.0 <= train[-1]["nonprivate_diagnostics"]["clipped_fraction"] <= 1.0
+
+    # The secret lives in the checkpoint folder only: without it the run cannot be resumed.
+    assert json.loads((out / "randomness.json").read_text()) == {"source": "supplied-file"}
+    (out / "checkpoints" / "noise_secret").unlink()
+    with pytest.raises(ValueError, match="noise_secret: missing"):
+        finetune(output_dir=out, log=lambda s: None, resume=True, **common)

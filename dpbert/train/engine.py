@@ -166,8 +166,13 @@ def fingerprint(obj: Any) -> str:
 
 
 def has_checkpoints(ckpt_dir: Path) -> bool:
-    """Whether `ckpt_dir` holds a step folder (the noise secret alone is not a checkpoint)."""
-    return ckpt_dir.is_dir() and any(p.name.isdigit() for p in ckpt_dir.iterdir())
+    """Whether `ckpt_dir`, or a folder in it (one per run of a fine-tuning sweep), holds a step
+    folder (the noise secret alone is not a checkpoint)."""
+    if not ckpt_dir.is_dir():
+        return False
+    return any(
+        p.name.isdigit() or (p.is_dir() and any(q.name.isdigit() for q in p.iterdir())) for p in ckpt_dir.iterdir()
+    )
 
 
 def secret_for_run(ckpt_dir: Path, *, resume: bool, supplied: str | os.PathLike[str] | None) -> RunSecret:

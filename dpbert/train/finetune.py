@@ -42,8 +42,8 @@ trained parameters, but a frozen all-MiniLM-L6-v2 pooler left DP runs at the maj
 and it takes `head_lr_multiplier` times larger steps. The DP default trains `bias`; its batch size,
 epochs, clip norm and learning rate are derived from n and epsilon when the recipe leaves them
 at null (`dpbert.config.finetune_plan`), and printed with their reasons. The non-private default
-trains `all`. Weight decay applies to weight matrices only (not biases, LayerNorm or
-embeddings), as in BERT.
+trains `all`. Weight decay follows the training engine's one rule (`dpbert.train.engine`):
+decoupled, on every trained parameter.
 
 Sweep (`sweep.enabled`, `dpbert finetune --dp --sweep`): one DP run per learning-rate factor,
 the best kept by its dev metric. Choosing the best of k runs spends the privacy of all k
@@ -57,6 +57,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import hashlib
 import json
 import math
 import os
@@ -76,13 +77,35 @@ import yaml
 from flax import nnx
 
 from dpbert.atomic import write_json
+from dpbert.config.plan import Plan
 from dpbert.config.recipe import apply_overrides, read_yaml
 from dpbert.data import glue
 from dpbert.data.glue_metrics import compute_metrics, predictions_from_logits
 from dpbert.model import BertForSequenceClassification
 from dpbert.model.functional import classifier_logits
 from dpbert.model.lora import LoRAConfig, add_lora, is_lora_path, merge_lora
-from dpbert.privacy.randomness import SECRET_FILE, mechanism_key, run_secret
+from dpbert.privacy.randomness import mechanism_key
+from dpbert.privacy.sampling import poisson_sample
+from dpbert.privacy.schedule import BatchSchedule, Stage
+from dpbert.release.export import RANDOMNESS_FILE
+from dpbert.train import distributed
+from dpbert.train.checkpoint import CheckpointStore
+from dpbert.train.engine import (
+    Checkpointing,
+    Hook,
+    Sample,
+    adamw,
+    device_batch_size,
+    dp_step,
+    fingerprint,
+    has_checkpoints,
+    restore_or_init,
+    run_loop,
+    secret_for_run,
+)
+from dpbert.train.mesh import make_mesh
+from dpbert.train.metrics import MetricsLog, truncate_after
+from dpbert.train.state import TrainState
 
 Trainable = Literal["all", "bias", "lora", "head"]
 TRAINABLE = ("all", "bias", "lora", "head")
@@ -312,31 +335,37 @@ def describe_trainable(subset: Trainable, config: FinetuneConfig, train_pooler: 
     return head
 
 
-def _decay_mask(params: nnx.State) -> Any:
-    # BERT's convention: decay weight matrices only (Linear kernels), never biases, LayerNorm or embeddings.
-    return jax.tree_util.tree_map_with_path(lambda path, _: getattr(path[-1], "key", None) == "kernel", params)
-
-
 def count_params(params: Any) -> int:
     return int(sum(np.prod(x.shape) for x in jax.tree_util.tree_leaves(params)))
 
 
-def make_optimizer(optim: OptimConfig, total_steps: int, params: nnx.State) -> optax.GradientTransformation:
-    """AdamW with linear warm-up over `warmup_fraction` of `total_steps`, then linear decay to 0."""
+def learning_rate_schedule(optim: OptimConfig, total_steps: int) -> optax.Schedule:
+    """Linear warm-up over `warmup_fraction` of `total_steps`, then linear decay to 0."""
     warmup = int(round(optim.warmup_fraction * total_steps))
-    schedule = optax.join_schedules(
+    if warmup == 0:
+        return optax.linear_schedule(optim.learning_rate, 0.0, max(total_steps, 1))
+    return optax.join_schedules(
         [
             optax.linear_schedule(0.0, optim.learning_rate, max(warmup, 1)),
             optax.linear_schedule(optim.learning_rate, 0.0, max(total_steps - warmup, 1)),
         ],
         boundaries=[warmup],
-    ) if warmup > 0 else optax.linear_schedule(optim.learning_rate, 0.0, max(total_steps, 1))  # fmt: skip
-    adamw = optax.adamw(
-        schedule, b1=optim.b1, b2=optim.b2, eps=optim.eps, weight_decay=optim.weight_decay, mask=_decay_mask(params)
+    )
+
+
+def make_optimizer(optim: OptimConfig, total_steps: int, params: nnx.State) -> optax.GradientTransformation:
+    """The engine's AdamW rule (`dpbert.train.engine.adamw`: decay on every trained parameter)
+    on `learning_rate_schedule`; the head (classifier, pooler) takes `head_lr_multiplier` times
+    larger steps than the pretrained body."""
+    tx = adamw(
+        learning_rate_schedule(optim, total_steps),
+        weight_decay=optim.weight_decay,
+        b1=optim.b1,
+        b2=optim.b2,
+        eps=optim.eps,
     )
     if optim.head_lr_multiplier == 1.0:
-        return adamw
-    # The new head (classifier, pooler) takes larger steps than the pretrained body.
+        return tx
     head = jax.tree_util.tree_map_with_path(
         lambda path, _: (
             getattr(path[0], "key", None) == "classifier" or getattr(path[1], "key", None) == "pooler"
@@ -345,7 +374,7 @@ def make_optimizer(optim: OptimConfig, total_steps: int, params: nnx.State) -> o
         ),
         params,
     )
-    return optax.chain(adamw, optax.masked(optax.scale(optim.head_lr_multiplier), head))
+    return optax.chain(tx, optax.masked(optax.scale(optim.head_lr_multiplier), head))
 
 
 # ----------------------------------------------------------------------------- loss / eval
@@ -386,14 +415,6 @@ def evaluate(
         outputs.append(np.asarray(forward.inference(trainable, forward.frozen, batch))[: min(batch_size, n - start)])
     preds = predictions_from_logits(task, np.concatenate(outputs))
     return compute_metrics(task, preds, data["labels"])
-
-
-# ----------------------------------------------------------------------------- outputs
-
-
-def _append_jsonl(path: Path, record: Mapping[str, Any]) -> None:
-    with path.open("a") as f:
-        f.write(json.dumps(record) + "\n")
 
 
 # ----------------------------------------------------------------------------- release
@@ -742,6 +763,17 @@ def plan_dp(n: int, config: FinetuneConfig) -> DPPlan:
     )  # fmt: skip
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class _RunFiles:
+    """Where a DP fine-tuning run keeps its state: checkpoints (one folder per sweep run), the
+    train records (`train.jsonl`) and the evaluation records (`evals.jsonl`)."""
+
+    checkpoints: Path
+    train_records: Path
+    evals: Path
+    resume: bool
+
+
 def _dp_train(
     forward: _Forward,
     trainable: nnx.State,
@@ -751,54 +783,118 @@ def _dp_train(
     plan: DPPlan,
     run_key: jax.Array,
     on_epoch: Callable[[int, int, nnx.State], None],
+    files: _RunFiles,
+    fingerprints: dict[str, str],
+    log: Callable[[str], None],
     optim: OptimConfig | None = None,
-) -> tuple[nnx.State, int]:
-    """`optim` (default `config.private`, resolved): a sweep run's own learning rate."""
-    from dpbert.privacy.clipping import clipped_grad_sum
-    from dpbert.privacy.noise import privatize
-    from dpbert.privacy.randomness import example_key, noise_key, step_key
-    from dpbert.privacy.sampling import poisson_sample
-
+    run: int = 0,
+) -> tuple[nnx.State, bool]:
+    """DP-SGD on the task data through the training engine (`dpbert.train.engine`): Poisson
+    samples of step t and the step's noise from `run_key`, one checkpoint folder per run
+    (`files.checkpoints/run-<run>`), resumed with exact replay when `files.resume`. `optim`
+    (default `config.private`, resolved): a sweep run's own learning rate; `run`: its stage in
+    the sweep's ledger. Only the trainable parameters are differentiated, clipped and noised.
+    Returns (trained parameters, whether SIGTERM stopped the run)."""
     n = len(train["labels"])
-    tx = make_optimizer(optim or config.private, plan.steps, trainable)
-    opt_state = tx.init(trainable)
+    optim = optim or config.private
+    tx = make_optimizer(optim, plan.steps, trainable)
+    mesh = make_mesh()
     microbatch = min(config.microbatch_size, plan.expected_batch_size)
-    clip_norm = config.privacy.clip_norm
+    padded = device_batch_size(plan.physical_batch_size, mesh.devices.size, microbatch)
+    stage = Stage(
+        steps=plan.steps, expected_batch_size=plan.expected_batch_size, noise_multiplier=plan.noise_multiplier
+    )
+    loop_plan = Plan(
+        schedule=BatchSchedule(stages=(stage,)),
+        physical_batch_sizes=(plan.physical_batch_size,),
+        ledger=plan.ledger,
+        steps_before=run * plan.steps,
+    )
+    frozen = forward.frozen
 
-    # The DP core's clipped sum and Gaussian mechanism, as in dpbert.privacy.dp_step, with one
-    # addition: the frozen parameters enter as a traced argument (not a captured constant), and
-    # only the trainable ones are differentiated, clipped and noised.
-    @functools.partial(jax.jit, donate_argnums=(0, 1))
-    def step(trainable, opt_state, frozen, batch, is_padding, key):
-        def example_loss(params: nnx.State, example: Mapping[str, jax.Array], rng: jax.Array) -> jax.Array:
-            return _example_loss(task, forward(params, frozen, example, rng), example["labels"])
+    def loss_fn(params: nnx.State, example: Mapping[str, jax.Array], rng: jax.Array) -> jax.Array:
+        return _example_loss(task, forward(params, frozen, example, rng), example["labels"])
 
-        total, _ = clipped_grad_sum(
-            example_loss,
-            trainable,
-            batch,
-            is_padding,
-            example_key(key),
-            clip_norm=clip_norm,
-            microbatch_size=microbatch,
-        )
-        grads = privatize(
-            total, noise_key(key), clip_norm=clip_norm, noise_multiplier=plan.noise_multiplier,
+    def sample(index: int, t: int) -> Sample:
+        drawn = poisson_sample(run_key, t, n, plan.expected_batch_size, plan.physical_batch_size)
+        rows = np.zeros(padded, np.int64)
+        rows[: drawn.indices.shape[0]] = drawn.indices
+        is_padding = np.ones(padded, bool)
+        is_padding[: drawn.is_padding.shape[0]] = drawn.is_padding
+        batch, is_padding = distributed.global_array(({k: v[rows] for k, v in train.items()}, is_padding), mesh)
+        return Sample(batch=batch, is_padding=is_padding, realized_size=drawn.realized_size)
+
+    def make_stage_step(index: int) -> Any:
+        return dp_step(
+            loss_fn,
+            tx,
+            private=True,
+            clip_norm=config.privacy.clip_norm,
+            noise_multiplier=plan.noise_multiplier,
             expected_batch_size=plan.expected_batch_size,
-        )  # fmt: skip
-        updates, opt_state = tx.update(grads, opt_state, trainable)
-        return optax.apply_updates(trainable, updates), opt_state
-
-    for t in range(plan.steps):
-        sample = poisson_sample(run_key, t, n, plan.expected_batch_size, plan.physical_batch_size)
-        batch = {k: v[sample.indices] for k, v in train.items()}
-        trainable, opt_state = step(
-            trainable, opt_state, forward.frozen, batch, sample.is_padding, step_key(run_key, t)
+            microbatch_size=microbatch,
+            clipping="vmap",
+            mesh=mesh,
+            shardings=None,
         )
-        epoch, at_epoch_end = divmod(t + 1, plan.steps_per_epoch)
-        if at_epoch_end == 0 and epoch % config.eval_every_epochs == 0 and t + 1 < plan.steps:
-            on_epoch(epoch, t + 1, trainable)
-    return trainable, plan.steps
+
+    record = {"run": run} if plan.runs > 1 else {}
+    checkpoints = CheckpointStore(files.checkpoints / f"run-{run}", keep=2)
+    try:
+        like = jax.eval_shape(lambda p: (p, tx.init(p)), trainable)
+        state = restore_or_init(
+            checkpoints,
+            resume=files.resume,
+            like=like,
+            init=lambda: (trainable, tx.init(trainable)),
+            fingerprints=fingerprints,
+            plan=loop_plan,
+            total_steps=plan.steps,
+            log=lambda line: log(f"[{task.name}] " + (f"run {run}: " if record else "") + line),
+        )
+        if files.resume:  # this run's records past its checkpoint, and its final evaluation, are redone
+            for path in (files.train_records, files.evals):
+                truncate_after(path, min(state.step, plan.steps - 1), record)
+        every = plan.steps_per_epoch * config.eval_every_epochs
+
+        def epoch_eval(state: TrainState) -> None:
+            on_epoch(state.step // plan.steps_per_epoch, state.step, state.params)
+
+        metrics = MetricsLog(files.train_records) if distributed.is_primary() else None
+        try:
+            loop = run_loop(
+                state,
+                plan=loop_plan,
+                stage_keys=(run_key,),
+                make_step=make_stage_step,
+                sample=sample,
+                checkpointing=Checkpointing(store=checkpoints, fingerprints=fingerprints, every=every),
+                metrics=metrics,
+                log_every=max(1, plan.steps_per_epoch),
+                learning_rate=learning_rate_schedule(optim, plan.steps),
+                hooks=(Hook(every=every, fn=epoch_eval),),
+                log=log,
+                record={"task": task.name, **record},
+            )
+        finally:
+            if metrics is not None:
+                metrics.close()
+    finally:
+        checkpoints.close()
+    return loop.state.params, loop.stopped
+
+
+def _data_fingerprint(train: Mapping[str, np.ndarray]) -> str:
+    """A short hash of the encoded training set (what a checkpoint's arrays depend on)."""
+    digest = hashlib.sha256()
+    for name in sorted(train):
+        digest.update(name.encode())
+        digest.update(np.ascontiguousarray(train[name]).tobytes())
+    return digest.hexdigest()[:16]
+
+
+def _stopped(task: glue.GlueTask, files: _RunFiles) -> dict[str, Any]:
+    return {"task": task.name, "stopped_early": True, "checkpoints": str(files.checkpoints)}
 
 
 def _config_record(config: FinetuneConfig) -> dict[str, Any]:
@@ -821,14 +917,18 @@ def finetune(
     config: FinetuneConfig = FinetuneConfig(),
     log: Callable[[str], None] = print,
     noise_seed_file: str | os.PathLike[str] | None = None,
+    resume: bool = False,
 ) -> dict[str, Any]:
     """Fine-tune `model` (a BERT folder, or a Hub id resolvable by `dpbert.model`) on one GLUE
-    task read from `data` (a task folder or a Hub dataset id). Returns what `metrics.json` holds.
+    task read from `data` (a task folder or a Hub dataset id). Returns what `metrics.json` holds,
+    or, when SIGTERM stopped a DP run, `{"task", "stopped_early": True, "checkpoints"}`.
 
     With `config.dp`, the sampling, dropout and noise derive from a secret drawn from the OS
     CSPRNG (or read from `noise_seed_file`), kept in OUT/checkpoints/noise_secret (0600) and
     domain-separated as "finetune/<task>" (a sweep's run i: "finetune/<task>/sweep/<i>"): never
-    from the published `config.seed`."""
+    from the published `config.seed`. A DP run checkpoints in OUT/checkpoints/run-<i>/ (the
+    training engine's guarantees); `resume` continues it with the same secret and replays exactly
+    the steps the uninterrupted run takes."""
     task = task if isinstance(task, glue.GlueTask) else glue.get_task(task)
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -877,16 +977,31 @@ def finetune(
         f"[{task.name}] n={n} train examples; training {trained['description']}: {n_trained:,} of {n_total:,} parameters"
     )
 
-    evals_path = out / "evals.jsonl"
-    evals_path.unlink(missing_ok=True)
+    files = _RunFiles(
+        checkpoints=out / "checkpoints", train_records=out / "train.jsonl", evals=out / "evals.jsonl", resume=resume
+    )
+    if not resume and has_checkpoints(files.checkpoints):
+        raise ValueError(
+            f"output folder {out} already holds checkpoints; pass --resume to continue it or choose another --output-dir"
+        )
+    if not resume:
+        files.evals.unlink(missing_ok=True)
+        files.train_records.unlink(missing_ok=True)
     if config.dp:
-        secret = run_secret(out / "checkpoints" / SECRET_FILE, reuse=False, supplied=noise_seed_file)
-        write_json(out / "randomness.json", {"source": secret.source})
+        secret = secret_for_run(files.checkpoints, resume=resume, supplied=noise_seed_file)
+        write_json(out / RANDOMNESS_FILE, {"source": secret.source})
         run_key = mechanism_key(secret, f"finetune/{task.name}")
     elif noise_seed_file is not None:
         raise ValueError("--noise-seed-file: only meaningful with --dp (a non-private run has no noise)")
+    elif resume:
+        raise ValueError("--resume: only DP fine-tuning keeps checkpoints; rerun the non-private fine-tuning")
     else:
         run_key = jax.random.key(config.seed)
+    fingerprints = {
+        "config": fingerprint(_config_record(config)),
+        "data": _data_fingerprint(train),
+        "model": fingerprint([str(model), count_params(trainable), n_total]),
+    }
 
     def evaluate_all(
         epoch: float, step: int, current: nnx.State, run: int | None = None
@@ -895,8 +1010,10 @@ def finetune(
         extra = {} if run is None else {"run": run}
         for split in task.eval_splits:
             results[split] = evaluate(forward, current, task, encoded[split], config.eval_batch_size)
-            _append_jsonl(evals_path, {"task": task.name, "split": split, "epoch": epoch, "step": step, **extra,
-                                       **results[split]})  # fmt: skip
+            if distributed.is_primary():  # opened per evaluation: a resume rewrites the file
+                with contextlib.closing(MetricsLog(files.evals)) as evals_log:
+                    evals_log.write({"task": task.name, "split": split, "epoch": epoch, "step": step, **extra,
+                                     **results[split]})  # fmt: skip
         log(f"[{task.name}] " + (f"run {run} " if run is not None else "") + f"epoch {epoch} step {step}: "
             + json.dumps(results))  # fmt: skip
         return results
@@ -915,9 +1032,18 @@ def finetune(
         )
         write_json(out / "privacy.json", plan.ledger.to_dict(), sort_keys=False)
         if config.sweep.enabled:
-            trainable, final, sweep = _dp_sweep(forward, initial, task, train, config, plan, secret, evaluate_all, log)
+            swept = _dp_sweep(
+                forward, initial, task, train, config, plan, secret, evaluate_all, log, files, fingerprints
+            )
+            if swept is None:
+                return _stopped(task, files)
+            trainable, final, sweep = swept
         else:
-            trainable, _ = _dp_train(forward, trainable, task, train, config, plan, run_key, evaluate_all)
+            trainable, stopped = _dp_train(
+                forward, trainable, task, train, config, plan, run_key, evaluate_all, files, fingerprints, log
+            )
+            if stopped:
+                return _stopped(task, files)
         steps = plan.steps
         privacy = plan.summary()
     else:
@@ -965,9 +1091,12 @@ def _dp_sweep(
     secret: Any,
     evaluate_all: Callable[..., dict[str, dict[str, float]]],
     log: Callable[[str], None],
-) -> tuple[nnx.State, dict[str, dict[str, float]], dict[str, Any]]:
+    files: _RunFiles,
+    fingerprints: dict[str, str],
+) -> tuple[nnx.State, dict[str, dict[str, float]], dict[str, Any]] | None:
     """One DP run per learning-rate factor (each its own stage of `plan.ledger`, its own key), the
-    best kept by the first metric of the first dev split. Returns (trained, its dev metrics, record)."""
+    best kept by the first metric of the first dev split. Returns (trained, its dev metrics, record),
+    or None when SIGTERM stopped a run (its checkpoint written; a resume continues there)."""
     split = task.eval_splits[0]
     metric = task.metric_names[0]
     runs, best = [], None
@@ -976,7 +1105,11 @@ def _dp_sweep(
         key = mechanism_key(secret, f"finetune/{task.name}/sweep/{i}")
         start = jax.tree_util.tree_map(jnp.copy, initial)
         run_on_epoch = functools.partial(evaluate_all, run=i)
-        trained, _ = _dp_train(forward, start, task, train, config, plan, key, run_on_epoch, optim=optim)
+        trained, stopped = _dp_train(
+            forward, start, task, train, config, plan, key, run_on_epoch, files, fingerprints, log, optim=optim, run=i
+        )
+        if stopped:
+            return None
         dev = evaluate_all(float(optim.epochs), plan.steps, trained, run=i)
         runs.append({"run": i, "learning_rate": optim.learning_rate, "dev": dev})
         if best is None or dev[split][metric] > best[1][split][metric]:
@@ -1007,8 +1140,10 @@ def finetune_all(
     config: FinetuneConfig = FinetuneConfig(),
     log: Callable[[str], None] = print,
     noise_seed_file: str | os.PathLike[str] | None = None,
+    resume: bool = False,
 ) -> dict[str, dict[str, Any]]:
-    """Run every task found under a GLUE root folder into OUT/<task>/ and log one table."""
+    """Run every task found under a GLUE root folder into OUT/<task>/ and log one table (stops at
+    the first task that SIGTERM stopped; `resume` continues every task from its checkpoints)."""
     results = {}
     for name, folder in glue.find_tasks(glue_root).items():
         results[name] = finetune(
@@ -1019,7 +1154,10 @@ def finetune_all(
             config=config,
             log=log,
             noise_seed_file=noise_seed_file,
+            resume=resume,
         )
+        if results[name].get("stopped_early"):
+            return results
     log(summary_table(results.values()))
     return results
 
@@ -1034,55 +1172,3 @@ def summary_table(results: Iterable[Mapping[str, Any]]) -> str:
             rows.append((r["task"], split, text, str(r["n_train"]), r["trained"]["subset"], eps))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in rows)
-
-
-def read_results(output_root: str | os.PathLike[str]) -> list[dict[str, Any]]:
-    """The metrics.json of every task run under `output_root` (one level down), in GLUE order."""
-    root = Path(output_root)
-    found = {p.parent.name: p for p in root.glob("*/metrics.json")}
-    order = [t for t in glue.GLUE_TASKS if t in found] + sorted(set(found) - set(glue.GLUE_TASKS))
-    if not order:
-        raise FileNotFoundError(f"{root}: no */metrics.json (expected one folder per fine-tuned task)")
-    return [json.loads(found[t].read_text()) for t in order]
-
-
-def main(args: Any) -> int:
-    """`dpbert finetune`: flags -> `FinetuneConfig` (recipe, then --set, then --dp/--epsilon/--delta)."""
-    overrides = list(args.set or [])
-    if (args.epsilon is not None or args.delta is not None) and not args.dp:
-        raise ValueError("--epsilon/--delta: only meaningful with --dp")
-    if args.dp:
-        overrides.append("dp=true")
-    mode = "private" if args.dp else "nonprivate"
-    if getattr(args, "trainable", None) is not None:
-        overrides.append(f"{mode}.trainable={args.trainable}")
-    for flag, field in (("lora_rank", "rank"), ("lora_alpha", "alpha"), ("lora_targets", "targets")):
-        value = getattr(args, flag, None)
-        if value is not None:
-            overrides.append(f"lora.{field}=" + (f"[{value}]" if field == "targets" else str(value)))
-    if getattr(args, "sweep", False):
-        if not args.dp:
-            raise ValueError("--sweep: only with --dp (it composes the privacy of every run)")
-        overrides.append("sweep.enabled=true")
-    if args.epsilon is not None:
-        overrides.append(f"privacy.epsilon={args.epsilon}")
-    if args.delta is not None:
-        overrides.append(f"privacy.delta={args.delta}")
-    config = load_config(args.recipe, overrides)
-    if args.task == "all":
-        if args.data_dir is None:
-            raise ValueError("--data-dir: --task all needs a GLUE root folder (CoLA/, SST-2/, ...)")
-        finetune_all(
-            model=args.model,
-            output_dir=args.output_dir,
-            glue_root=args.data_dir,
-            config=config,
-            noise_seed_file=args.noise_seed_file,
-        )
-    else:
-        result = finetune(
-            task=args.task, model=args.model, output_dir=args.output_dir,
-            data=args.data_dir or glue.HUB_DATASET_ID, config=config, noise_seed_file=args.noise_seed_file,
-        )  # fmt: skip
-        print(summary_table([result]))
-    return 0

@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -52,12 +53,18 @@ def read_metrics(path: str | Path) -> list[dict[str, Any]]:
     return records
 
 
-def truncate_after(path: str | Path, step: int) -> None:
-    """Drop records with `step` > `step` (they belong to steps a resume will redo)."""
+def truncate_after(path: str | Path, step: int, match: Mapping[str, Any] | None = None) -> None:
+    """Drop records with `step` > `step` (they belong to steps a resume will redo); with `match`,
+    only records carrying all of its fields (e.g. one run of a sweep)."""
     path = Path(path)
     if not path.exists():
         return
-    kept = [r for r in read_metrics(path) if r.get("step", 0) <= step]
+    match = match or {}
+
+    def redone(r: dict[str, Any]) -> bool:
+        return r.get("step", 0) > step and all(r.get(k) == v for k, v in match.items())
+
+    kept = [r for r in read_metrics(path) if not redone(r)]
     write_text(path, "".join(json.dumps(r, sort_keys=True) + "\n" for r in kept))
 
 

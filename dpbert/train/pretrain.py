@@ -85,6 +85,7 @@ from dpbert.privacy.dp_step import StepFn
 from dpbert.privacy.ghost_clipping import MLMGhostLoss
 from dpbert.privacy.randomness import SECRET_FILE, RunSecret, mechanism_key, read_secret
 from dpbert.privacy.sampling import check_document_offsets
+from dpbert.release.export import RANDOMNESS_FILE
 from dpbert.train import distributed
 from dpbert.train.checkpoint import CheckpointStore
 from dpbert.train.device import device_settings
@@ -105,7 +106,6 @@ from dpbert.train.mesh import make_mesh, state_shardings
 from dpbert.train.metrics import MetricsLog
 from dpbert.train.state import TrainState
 
-RANDOMNESS_FILE = "randomness.json"
 # Held-out masking uses its own fixed key, the same for every run and seed, so private and
 # non-private runs are scored on identical masks.
 EVAL_MASK_KEY_SEED = 0x65766C  # "evl"
