@@ -79,16 +79,69 @@ def _add_pretrain(sub: argparse._SubParsersAction) -> None:
 
     def run(args: argparse.Namespace) -> int:
         if args.compile_only:
-            from dpbert.train.compile import compile_main
-
-            return compile_main(args)
+            return _compile_only(args)
         if args.output_dir is None:
             raise ValueError("--output-dir is required (except with --compile-only)")
-        from dpbert.train.pretrain import pretrain_main
-
-        return pretrain_main(args)
+        return _pretrain(args)
 
     p.set_defaults(func=run)
+
+
+def _pretrain(args: argparse.Namespace) -> int:
+    """`dpbert pretrain`: starts jax.distributed first when asked, explicitly
+    (--coordinator-address/--num-processes/--process-id) or auto-detected from the cluster
+    environment (--distributed), then runs the recipe."""
+    from dpbert.privacy.planner import quiet_accountant_warnings
+    from dpbert.train import distributed
+    from dpbert.train.pretrain import pretrain
+
+    quiet_accountant_warnings()
+    explicit = {
+        "coordinator_address": args.coordinator_address,
+        "num_processes": args.num_processes,
+        "process_id": args.process_id,
+    }
+    if any(v is not None for v in explicit.values()):
+        if args.distributed:
+            raise ValueError(
+                "--distributed (auto-detect) and --coordinator-address/--num-processes/--process-id "
+                "are alternatives; give one or the other"
+            )
+        distributed.initialize(**explicit)
+    elif args.distributed:
+        distributed.initialize()
+    result = pretrain(
+        args.recipe,
+        args.output_dir,
+        overrides=args.set or (),
+        resume=args.resume,
+        show_fill_mask=args.fill_mask,
+        noise_seed_file=args.noise_seed_file,
+    )
+    return 0 if result.stopped_early or result.steps_done == result.total_steps else 1
+
+
+def _compile_only(args: argparse.Namespace) -> int:
+    """`dpbert pretrain RECIPE --compile-only`: print (or --json) the compile report."""
+    import json
+
+    from dpbert.config.recipe import load_recipe
+    from dpbert.train.compile import compile_step
+    from dpbert.train.mesh import make_mesh, parse_mesh_flags
+
+    recipe = load_recipe(args.recipe, args.set or ())
+    axes = {"data": recipe.mesh.data, "fsdp": recipe.mesh.fsdp, **parse_mesh_flags(args.mesh or ())}
+    report = compile_step(
+        recipe,
+        make_mesh(**axes),
+        stage_index=args.stage,
+        peak_tflops_per_device=args.peak_tflops,
+        target_devices=args.target_devices,
+        assumed_mfu=args.assumed_mfu,
+        log=print,
+    )
+    print(json.dumps(report.to_dict()) if args.json else report.summary())
+    return 0
 
 
 def _add_plot(sub: argparse._SubParsersAction) -> None:
@@ -97,9 +150,10 @@ def _add_plot(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", default=None, help="PNG path (default: RUN_DIR/curves.png)")
 
     def run(args: argparse.Namespace) -> int:
-        from dpbert.train.pretrain import plot_main
+        from dpbert.train.metrics import plot_run
 
-        return plot_main(args)
+        print(plot_run(args.run_dir, args.out))
+        return 0
 
     p.set_defaults(func=run)
 
@@ -175,6 +229,36 @@ def _add_finetune(sub: argparse._SubParsersAction) -> None:
         return 0
 
     p.set_defaults(func=run)
+
+
+def _audit(args: argparse.Namespace) -> int:
+    """`dpbert audit`: run the audit, print its table (or JSON), add it to a release's card."""
+    import json
+
+    from dpbert.train.audit import format_table, run_audit
+
+    report = run_audit(
+        args.recipe,
+        args.output_dir,
+        num_canaries=args.canaries,
+        kind=args.kind,
+        overrides=args.set or (),
+        confidence=args.confidence,
+        progress=not args.json,
+        log=(lambda s: None) if args.json else print,
+        noise_seed_file=args.noise_seed_file,
+    )
+    print(json.dumps(report.to_dict(), indent=2, sort_keys=True) if args.json else format_table(report))
+    if args.card:
+        from dpbert.release.audited import add_audit
+
+        figure = add_audit(args.card, report.to_dict())
+        if not args.json:
+            print(
+                f"audited figure ({figure.kind} canaries, lower bound {figure.epsilon_lower_bound:.4g}) added to "
+                f"{args.card}/privacy.json and README.md"
+            )
+    return 0
 
 
 def _finetune_overrides(args: argparse.Namespace) -> list[str]:
@@ -458,9 +542,12 @@ def _add_sweep(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--progress", action="store_true", help="show each arm's progress bar")
 
     def run(args: argparse.Namespace) -> int:
-        from dpbert.train.sweep import sweep_main
+        from dpbert.privacy.planner import quiet_accountant_warnings
+        from dpbert.train.sweep import run_sweep
 
-        return sweep_main(args)
+        quiet_accountant_warnings()
+        run_sweep(args.sweep, args.output_dir, progress=args.progress)
+        return 0
 
     p.set_defaults(func=run)
 
@@ -500,9 +587,7 @@ def _add_audit(sub: argparse._SubParsersAction) -> None:
     )
 
     def run(args: argparse.Namespace) -> int:
-        from dpbert.train.audit import audit_main
-
-        return audit_main(args)
+        return _audit(args)
 
     p.set_defaults(func=run)
 

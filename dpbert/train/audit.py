@@ -408,29 +408,3 @@ def format_table(report: AuditReport) -> str:
     ]
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
-
-
-def audit_main(args: Any) -> int:
-    """`dpbert audit` entry point (argparse namespace from dpbert.cli)."""
-    report = run_audit(
-        args.recipe,
-        args.output_dir,
-        num_canaries=args.canaries,
-        kind=args.kind,
-        overrides=args.set or (),
-        confidence=args.confidence,
-        progress=not args.json,
-        log=(lambda s: None) if args.json else print,
-        noise_seed_file=args.noise_seed_file,
-    )
-    print(json.dumps(report.to_dict(), indent=2, sort_keys=True) if args.json else format_table(report))
-    if args.card:
-        from dpbert.release.audited import add_audit
-
-        figure = add_audit(args.card, report.to_dict())
-        if not args.json:
-            print(
-                f"audited figure ({figure.kind} canaries, lower bound {figure.epsilon_lower_bound:.4g}) added to "
-                f"{args.card}/privacy.json and README.md"
-            )
-    return 0

@@ -21,7 +21,6 @@ Guarantees:
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -143,13 +142,3 @@ class CheckpointStore:
 
     def close(self) -> None:
         self._manager.close()
-
-
-def read_meta(path: str | Path) -> dict[str, Any]:
-    """The JSON record of one checkpoint folder (for inspection tools)."""
-    path = Path(path)
-    # Orbax writes the record as meta/metadata, next to a commit_success.txt marker.
-    files = [f for f in sorted((path / "meta").glob("*")) if f.suffix != ".txt"]
-    if not files:
-        raise ValueError(f"checkpoint {path}: no meta record")
-    return json.loads(files[0].read_text())

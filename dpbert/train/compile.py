@@ -38,7 +38,6 @@ at its own physical batch on the target's device count.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import time
 from collections.abc import Callable
@@ -341,24 +340,3 @@ def compile_step(
         assumed_mfu=mfu,
         stages=tuple(estimates),
     )
-
-
-def compile_main(args: Any) -> int:
-    """`dpbert pretrain RECIPE --compile-only` entry point: print (or --json) the report."""
-    from dpbert.config.recipe import load_recipe
-    from dpbert.train.mesh import make_mesh, parse_mesh_flags
-
-    recipe = load_recipe(args.recipe, args.set or ())
-    axes = {"data": recipe.mesh.data, "fsdp": recipe.mesh.fsdp, **parse_mesh_flags(args.mesh or ())}
-    mesh = make_mesh(**axes)
-    report = compile_step(
-        recipe,
-        mesh,
-        stage_index=args.stage,
-        peak_tflops_per_device=args.peak_tflops,
-        target_devices=args.target_devices,
-        assumed_mfu=args.assumed_mfu,
-        log=print,
-    )
-    print(json.dumps(report.to_dict()) if args.json else report.summary())
-    return 0

@@ -413,12 +413,3 @@ def plot_sweep(rows: Sequence[dict[str, Any]], out: str | os.PathLike[str]) -> P
     fig.savefig(out, dpi=110)
     plt.close(fig)
     return out
-
-
-def sweep_main(args: Any) -> int:
-    """`dpbert sweep` entry point (argparse namespace from dpbert.cli)."""
-    from dpbert.privacy.planner import quiet_accountant_warnings
-
-    quiet_accountant_warnings()
-    run_sweep(args.sweep, args.output_dir, progress=args.progress)
-    return 0
