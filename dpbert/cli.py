@@ -199,8 +199,9 @@ def _add_finetune(sub: argparse._SubParsersAction) -> None:
     _add_noise_seed_file(p)
 
     def run(args: argparse.Namespace) -> int:
+        from dpbert.config.finetune import load_config
         from dpbert.data.glue import HUB_DATASET_ID
-        from dpbert.train.finetune import finetune, finetune_all, load_config, summary_table
+        from dpbert.train.finetune import finetune, finetune_all, summary_table
 
         config = load_config(args.recipe, _finetune_overrides(args))
         if args.task == "all":

@@ -60,7 +60,7 @@ def test_shipped_pretraining_recipes(name):
 
 @pytest.mark.parametrize("task", sorted(GLUE_N))
 def test_shipped_finetuning_recipe(task):
-    from dpbert.train.finetune import load_config, plan_dp
+    from dpbert.config.finetune import load_config, plan_dp
 
     plan = plan_dp(GLUE_N[task], load_config(RECIPES / "glue_finetune.yaml"))
     _compare(plan.ledger, f"glue_finetune.yaml ({task}, N={GLUE_N[task]})")

@@ -125,8 +125,9 @@ def test_head_takes_larger_steps_than_the_body() -> None:
     from flax import nnx
     from transformers import BertConfig
 
+    from dpbert.config.finetune import OptimConfig
     from dpbert.model import BertForSequenceClassification
-    from dpbert.train.finetune import OptimConfig, make_optimizer
+    from dpbert.train.finetune import make_optimizer
 
     config = BertConfig(vocab_size=20, hidden_size=8, num_hidden_layers=1, num_attention_heads=2,
                         intermediate_size=16, max_position_embeddings=8)  # fmt: skip
@@ -149,8 +150,9 @@ def test_dp_finetune_stopped_by_sigterm_and_resumed_equals_the_uninterrupted_run
     import numpy as np
     from safetensors.numpy import load_file
 
+    from dpbert.config.finetune import load_config
     from dpbert.train.checkpoint import CheckpointStore
-    from dpbert.train.finetune import finetune, load_config
+    from dpbert.train.finetune import finetune
 
     seed = tiny / "resume_secret.hex"
     seed.write_text("ab" * 32)

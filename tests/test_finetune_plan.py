@@ -42,7 +42,7 @@ def test_learning_rate_follows_the_trained_subset_and_epochs_can_be_given() -> N
 
 @pytest.mark.parametrize("eps", [3.0, 8.0])
 def test_plan_for_derived_defaults_spends_at_most_the_target(eps: float) -> None:
-    from dpbert.train.finetune import FinetuneConfig, PrivacyConfig, plan_dp, resolve_dp
+    from dpbert.config.finetune import FinetuneConfig, PrivacyConfig, plan_dp, resolve_dp
 
     n = 2_000
     config = FinetuneConfig(dp=True, privacy=PrivacyConfig(epsilon=eps, accountant="pld"))
@@ -57,7 +57,7 @@ def test_plan_for_derived_defaults_spends_at_most_the_target(eps: float) -> None
 
 
 def test_a_sweep_composes_every_run_in_one_ledger() -> None:
-    from dpbert.train.finetune import FinetuneConfig, OptimConfig, PrivacyConfig, SweepConfig, plan_dp
+    from dpbert.config.finetune import FinetuneConfig, OptimConfig, PrivacyConfig, SweepConfig, plan_dp
 
     optim = OptimConfig(trainable="bias", learning_rate=1e-3, batch_size=100, epochs=2, dropout=0.0)
     privacy = PrivacyConfig(epsilon=4.0, clip_norm=0.1, accountant="rdp")

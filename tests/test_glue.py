@@ -355,7 +355,8 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def nonprivate_run(tiny: Path) -> tuple[Path, dict]:
     """Non-private fine-tuning of the plain HF folder (no privacy metadata)."""
-    from dpbert.train.finetune import finetune, load_config
+    from dpbert.config.finetune import load_config
+    from dpbert.train.finetune import finetune
 
     config = load_config(None, ["max_seq_len=12", "nonprivate.learning_rate=1e-3", "nonprivate.epochs=1"])
     out = tiny / "out_np"
@@ -382,7 +383,7 @@ def dp_run(tiny: Path) -> tuple[Path, str]:
 
 
 def test_recipe_is_the_default_config_and_overrides_name_fields() -> None:
-    from dpbert.train.finetune import FinetuneConfig, load_config
+    from dpbert.config.finetune import FinetuneConfig, load_config
 
     recipe = Path(__file__).resolve().parents[1] / "recipes" / "glue_finetune.yaml"
     assert load_config(recipe) == FinetuneConfig()
@@ -391,7 +392,7 @@ def test_recipe_is_the_default_config_and_overrides_name_fields() -> None:
     with pytest.raises(ValueError, match=r"'private.lr': unknown field.* \(in .*glue_finetune.yaml\)"):
         load_config(recipe, ["private.lr=1"])
     with pytest.raises(
-        ValueError, match=r"'nonprivate.trainable': expected 'all', 'bias', 'lora' or 'head', got 'adapters'"
+        ValueError, match=r"'nonprivate.trainable': expected one of 'all', 'bias', 'lora', 'head', got 'adapters'"
     ):
         load_config(None, ["nonprivate.trainable=adapters"])
 

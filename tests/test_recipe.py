@@ -39,7 +39,7 @@ def test_every_recipe_parses_and_documents_itself(path):
 
         assert len(build_arms(load_sweep(path))) >= 2
     else:  # a GLUE fine-tuning recipe: its own schema
-        from dpbert.train.finetune import load_config
+        from dpbert.config.finetune import load_config
 
         load_config(path)
     head = path.read_text().splitlines()[0]

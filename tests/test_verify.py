@@ -388,8 +388,8 @@ def test_a_noise_secret_never_reaches_a_release(base: Path, hf_model_dir: Path, 
 def finetuned(base: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A release as `dpbert finetune --dp` writes it: the source's pretraining guarantee copied, a
     task guarantee from `plan_dp`, the fine-tuning config as the recipe."""
+    from dpbert.config.finetune import load_config, plan_dp
     from dpbert.release.metadata import guarantees_from_json
-    from dpbert.train.finetune import load_config, plan_dp
 
     config = load_config(None, ["dp=true", "privacy.accountant=rdp", "private.batch_size=200", "private.epochs=4"])
     plan = plan_dp(800, config)

@@ -401,7 +401,7 @@ def _parse_value(tp: Any, value: Any, field: str) -> Any:
         _check(isinstance(value, list | tuple), field, "a list", value)
         return tuple(_parse_value(args[0], v, f"{field}[{i}]") for i, v in enumerate(value))
     if dataclasses.is_dataclass(tp):
-        return _parse_section(tp, value, field)
+        return parse_section(tp, value, field)
     if tp is bool:
         _check(isinstance(value, bool), field, "true or false", value)
     elif tp is int:
@@ -418,14 +418,22 @@ def _parse_value(tp: Any, value: Any, field: str) -> Any:
     return value
 
 
-def _parse_section(cls: type, raw: Any, field: str) -> Any:
+def parse_section(cls: type, raw: Any, field: str) -> Any:
+    """A frozen dataclass `cls` from a mapping, recursively; errors name the dotted field. A
+    section whose default is an instance (not the class's defaults) is overridden field by field."""
     _check(isinstance(raw, Mapping), field or "recipe", "a mapping of fields", raw)
     hints = typing.get_type_hints(cls)
-    names = {f.name for f in dataclasses.fields(cls)}
+    fields = {f.name: f for f in dataclasses.fields(cls)}
     prefix = f"{field}." if field else ""
     for key in raw:
-        if key not in names:
-            raise RecipeError(f"{prefix}{key}", f"unknown field; expected one of {', '.join(sorted(names))}")
+        if key not in fields:
+            raise RecipeError(f"{prefix}{key}", f"unknown field; expected one of {', '.join(sorted(fields))}")
+    raw = {
+        k: {**dataclasses.asdict(fields[k].default), **v}
+        if isinstance(v, Mapping) and dataclasses.is_dataclass(fields[k].default)
+        else v
+        for k, v in raw.items()
+    }
     kwargs = {k: _parse_value(hints[k], v, f"{prefix}{k}") for k, v in raw.items()}
     for f in dataclasses.fields(cls):
         if f.name not in kwargs and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
@@ -438,7 +446,7 @@ def _parse_section(cls: type, raw: Any, field: str) -> Any:
 
 def load_recipe_dict(raw: Mapping[str, Any], overrides: Iterable[str] = ()) -> Recipe:
     """Validate a recipe mapping after applying `key.path=value` overrides."""
-    return _parse_section(Recipe, apply_overrides(raw, overrides), "")
+    return parse_section(Recipe, apply_overrides(raw, overrides), "")
 
 
 def load_recipe(path: str | os.PathLike[str], overrides: Iterable[str] = ()) -> Recipe:

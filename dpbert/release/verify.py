@@ -322,7 +322,7 @@ def _rebuilt_pretraining(content: str, dataset_size: int) -> tuple[str, int]:
 @functools.lru_cache(maxsize=32)
 def _rebuilt_finetuning(content: str, dataset_size: int) -> str:
     """Rebuilt ledger JSON of a DP fine-tuning config for the ledger's n (see `_rebuilt_pretraining`)."""
-    from dpbert.train.finetune import load_config, plan_dp
+    from dpbert.config.finetune import load_config, plan_dp
 
     with tempfile.TemporaryDirectory(prefix=".dpbert-verify-") as tmp:
         path = Path(tmp) / "finetune.yaml"

@@ -63,11 +63,10 @@ import math
 import os
 import tempfile
 import time
-import typing
 import warnings
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -77,13 +76,22 @@ import yaml
 from flax import nnx
 
 from dpbert.atomic import write_json
+from dpbert.config.finetune import (
+    DEFAULT_CONFIG,
+    TRAINABLE,
+    DPPlan,
+    FinetuneConfig,
+    OptimConfig,
+    Trainable,
+    plan_dp,
+    resolve_dp,
+)
 from dpbert.config.plan import Plan
-from dpbert.config.recipe import apply_overrides, read_yaml
 from dpbert.data import glue
 from dpbert.data.glue_metrics import compute_metrics, predictions_from_logits
 from dpbert.model import BertForSequenceClassification
 from dpbert.model.functional import classifier_logits
-from dpbert.model.lora import LoRAConfig, add_lora, is_lora_path, merge_lora
+from dpbert.model.lora import add_lora, is_lora_path, merge_lora
 from dpbert.privacy.randomness import mechanism_key
 from dpbert.privacy.sampling import poisson_sample
 from dpbert.privacy.schedule import BatchSchedule, Stage
@@ -107,189 +115,9 @@ from dpbert.train.mesh import make_mesh
 from dpbert.train.metrics import MetricsLog, truncate_after
 from dpbert.train.state import TrainState
 
-Trainable = Literal["all", "bias", "lora", "head"]
-TRAINABLE = ("all", "bias", "lora", "head")
 # fold_in constants that separate the streams of one step's randomness.
 _DROPOUT_STREAM = 1
 _SHUFFLE_STREAM = 2
-
-
-def _check(ok: bool, field: str, expected: str, value: Any) -> None:
-    if not ok:
-        raise ValueError(f"finetune config field '{field}': expected {expected}, got {value!r}")
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class OptimConfig:
-    """One training mode's hyper-parameters. For DP, `batch_size` is the *expected* batch size
-    of Poisson sampling, capped at n // 4 so a small task still gets >= 4 steps per epoch;
-    `learning_rate`, `batch_size` and `epochs` may be null in the DP section: derived from n
-    and epsilon (`dpbert.config.finetune_plan`). `dropout: null` keeps the checkpoint's dropout
-    rates; a number sets the hidden and attention dropout (DP fine-tuning works better without
-    dropout, Li et al. 2021)."""
-
-    trainable: Trainable
-    learning_rate: float | None
-    batch_size: int | None
-    epochs: float | None
-    dropout: float | None = None
-    warmup_fraction: float = 0.1
-    weight_decay: float = 0.01
-    head_lr_multiplier: float = 1.0
-    b1: float = 0.9
-    b2: float = 0.999
-    eps: float = 1e-8
-
-    def __post_init__(self) -> None:
-        _check(self.trainable in TRAINABLE, "trainable", "'all', 'bias', 'lora' or 'head'", self.trainable)
-        _check(
-            self.learning_rate is None or self.learning_rate > 0,
-            "learning_rate",
-            "a positive number",
-            self.learning_rate,
-        )
-        _check(self.batch_size is None or self.batch_size > 0, "batch_size", "a positive integer", self.batch_size)
-        _check(self.epochs is None or self.epochs > 0, "epochs", "a positive number", self.epochs)
-        _check(self.dropout is None or 0.0 <= self.dropout < 1.0, "dropout", "null or a rate in [0, 1)", self.dropout)
-        _check(0.0 <= self.warmup_fraction < 1.0, "warmup_fraction", "a fraction in [0, 1)", self.warmup_fraction)
-        _check(self.weight_decay >= 0, "weight_decay", "a number >= 0", self.weight_decay)
-        _check(self.head_lr_multiplier > 0, "head_lr_multiplier", "a positive number", self.head_lr_multiplier)
-        _check(0.0 <= self.b1 < 1.0, "b1", "a number in [0, 1)", self.b1)
-        _check(0.0 <= self.b2 < 1.0, "b2", "a number in [0, 1)", self.b2)
-        _check(self.eps > 0, "eps", "a positive number", self.eps)
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class PrivacyConfig:
-    """DP settings for the task data. `delta: null` means 1/n^1.1 (n = training examples);
-    `clip_norm: null` is derived (`dpbert.config.finetune_plan`)."""
-
-    epsilon: float = 8.0
-    delta: float | None = None
-    clip_norm: float | None = None
-    accountant: Literal["pld", "rdp"] = "pld"
-
-    def __post_init__(self) -> None:
-        _check(self.epsilon > 0, "epsilon", "a positive number", self.epsilon)
-        _check(self.delta is None or 0.0 < self.delta < 1.0, "delta", "a probability in (0, 1) or null", self.delta)
-        _check(self.clip_norm is None or self.clip_norm > 0, "clip_norm", "a positive number or null", self.clip_norm)
-        _check(self.accountant in ("pld", "rdp"), "accountant", "'pld' or 'rdp'", self.accountant)
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class SweepConfig:
-    """`enabled`: one DP run per factor of the learning rate, the best kept by its dev metric;
-    the task ledger composes all runs (see the module docstring)."""
-
-    enabled: bool = False
-    learning_rate_factors: tuple[float, ...] = (0.3, 1.0, 3.0)
-
-    def __post_init__(self) -> None:
-        factors = self.learning_rate_factors
-        _check(isinstance(factors, list | tuple) and len(factors) >= 1 and all(
-            isinstance(f, int | float) and not isinstance(f, bool) and f > 0 for f in factors),
-            "learning_rate_factors", "a non-empty list of positive numbers", factors)  # fmt: skip
-        object.__setattr__(self, "learning_rate_factors", tuple(float(f) for f in factors))
-
-    @property
-    def runs(self) -> int:
-        return len(self.learning_rate_factors) if self.enabled else 1
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class FinetuneConfig:
-    """A fine-tuning recipe: shared settings, one `OptimConfig` per mode, the DP settings.
-
-    `dp` selects the mode: `private` + `privacy` when true, `nonprivate` otherwise.
-    `tokenizer: null` loads the tokenizer from the model folder. `microbatch_size` only trades
-    memory for speed (DP results do not depend on it). `lora` applies when a mode trains
-    `lora`; `eval_every_epochs`: evaluate after every k-th epoch (and always at the end).
-    `train_pooler`: whether the head includes the pooler's kernel under `bias`, `lora` and
-    `head` (null: only when the checkpoint has no pretrained pooler). Default true: a pretrained
-    pooler was trained for another objective, if at all (see `dpbert.config.finetune_plan`).
-    """
-
-    dp: bool = False
-    max_seq_len: int = 128
-    seed: int = 0
-    tokenizer: str | None = None
-    eval_batch_size: int = 128
-    microbatch_size: int = 64
-    nonprivate: OptimConfig = OptimConfig(trainable="all", learning_rate=2e-5, batch_size=32, epochs=3.0)
-    private: OptimConfig = OptimConfig(
-        trainable="bias",
-        learning_rate=None,
-        batch_size=None,
-        epochs=None,
-        dropout=0.0,
-        warmup_fraction=0.0,
-        weight_decay=0.0,
-        head_lr_multiplier=3.0,
-    )
-    privacy: PrivacyConfig = PrivacyConfig()
-    lora: LoRAConfig = LoRAConfig()
-    sweep: SweepConfig = SweepConfig()
-    eval_every_epochs: int = 1
-    train_pooler: bool | None = True
-
-    def __post_init__(self) -> None:
-        _check(self.max_seq_len >= 8, "max_seq_len", "an integer >= 8", self.max_seq_len)
-        _check(self.seed >= 0, "seed", "an integer >= 0", self.seed)
-        _check(self.eval_batch_size > 0, "eval_batch_size", "a positive integer", self.eval_batch_size)
-        _check(self.microbatch_size > 0, "microbatch_size", "a positive integer", self.microbatch_size)
-        _check(self.eval_every_epochs >= 1, "eval_every_epochs", "an integer >= 1", self.eval_every_epochs)
-        for field in ("learning_rate", "batch_size", "epochs"):
-            value = getattr(self.nonprivate, field)
-            _check(value is not None, f"nonprivate.{field}", "a positive number (only DP values are derived)", value)
-        _check(
-            not self.sweep.enabled or self.dp,
-            "sweep.enabled",
-            "false without dp (the sweep is a DP sweep)",
-            self.sweep.enabled,
-        )
-
-    @property
-    def optim(self) -> OptimConfig:
-        return self.private if self.dp else self.nonprivate
-
-
-def _parse(cls: type, raw: Any, field: str) -> Any:
-    """A mapping -> frozen dataclass `cls`, recursively; unknown keys name their dotted field."""
-    if not isinstance(raw, Mapping):
-        raise ValueError(f"finetune config field '{field or 'recipe'}': expected a mapping, got {raw!r}")
-    hints = typing.get_type_hints(cls)
-    prefix = f"{field}." if field else ""
-    kwargs = {}
-    for key, value in raw.items():
-        if key not in hints:
-            raise ValueError(
-                f"finetune config field '{prefix}{key}': unknown field; expected one of {', '.join(hints)}"
-            )
-        if dataclasses.is_dataclass(hints[key]):
-            default = cls.__dataclass_fields__[key].default
-            if isinstance(value, Mapping) and dataclasses.is_dataclass(default):
-                value = {**dataclasses.asdict(default), **value}  # a section overrides its defaults
-            value = _parse(hints[key], value, f"{prefix}{key}")
-        elif hints[key] in (float, float | None) and isinstance(value, int | str) and not isinstance(value, bool):
-            with contextlib.suppress(ValueError):  # YAML reads 2e-5 as a string and 3 as an int
-                value = float(value)
-        kwargs[key] = value
-    try:
-        return cls(**kwargs)
-    except ValueError as err:
-        raise ValueError(str(err).replace("field '", f"field '{prefix}", 1)) from None
-    except TypeError as err:
-        raise ValueError(f"finetune config section '{field or 'recipe'}': {err}") from None
-
-
-def load_config(path: str | os.PathLike[str] | None = None, overrides: Iterable[str] = ()) -> FinetuneConfig:
-    """A `FinetuneConfig` from a YAML recipe (or the defaults) plus `key.path=value` overrides
-    (values parsed as YAML). Errors name the dotted field and, for a file, the file."""
-    raw = apply_overrides(read_yaml(path) if path is not None else {}, overrides)
-    try:
-        return _parse(FinetuneConfig, raw, "")
-    except ValueError as err:
-        raise ValueError(f"{err} (in {path})" if path is not None else str(err)) from None
 
 
 # ----------------------------------------------------------------------------- parameters
@@ -661,109 +489,6 @@ def _nonprivate_train(
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class DPPlan:
-    """The public numbers of a DP fine-tuning run, fixed before it starts; `ledger` is the
-    task-data ledger (its `epsilon()` recomputes the guarantee)."""
-
-    epsilon: float
-    delta: float
-    delta_rule: str
-    noise_multiplier: float
-    expected_batch_size: int
-    physical_batch_size: int
-    steps: int
-    steps_per_epoch: int
-    ledger: Any
-    spent_epsilon: float  # ledger.epsilon(), computed once: a PLD recomputation takes seconds
-    truncation_delta: float
-    runs: int = 1  # sweep runs composed in the ledger (one stage each); `steps` is per run
-
-    def summary(self) -> dict[str, Any]:
-        stage = self.ledger.stages[0]
-        return {
-            "epsilon": self.spent_epsilon,
-            "target_epsilon": self.epsilon,
-            "delta": self.delta,
-            "delta_rule": self.delta_rule,
-            "truncation_delta": self.truncation_delta,
-            "noise_multiplier": self.noise_multiplier,
-            "clip_norm": self.ledger.clip_norm,
-            "expected_batch_size": self.expected_batch_size,
-            "physical_batch_size": self.physical_batch_size,
-            "sampling_rate": stage.sampling_rate,
-            "steps": self.steps,
-            "runs": self.runs,
-            "accountant": self.ledger.accountant,
-            "dataset_size": self.ledger.dataset_size,
-            "privacy_unit": self.ledger.privacy_unit,
-            "sampling": self.ledger.sampling,
-        }
-
-
-def _delta(n: int, privacy: PrivacyConfig) -> tuple[float, str]:
-    return (privacy.delta, "given") if privacy.delta is not None else (1.0 / n**1.1, "1/n^1.1")
-
-
-def resolve_dp(n: int, config: FinetuneConfig) -> tuple[FinetuneConfig, Any]:
-    """(config with every null DP hyper-parameter filled in, the `DerivedDefaults` used or None
-    when the recipe set them all). Depends only on n, epsilon, delta and the trained subset."""
-    from dpbert.config.finetune_plan import derive_dp_defaults
-
-    optim, priv = config.private, config.privacy
-    if None not in (optim.learning_rate, optim.batch_size, optim.epochs, priv.clip_norm):
-        return config, None
-    if n < 8:
-        raise ValueError(f"DP fine-tuning needs at least 8 training examples, got n={n}")
-    derived = derive_dp_defaults(
-        dataset_size=n, epsilon=priv.epsilon, delta=_delta(n, priv)[0], trainable=optim.trainable, epochs=optim.epochs
-    )
-    optim = dataclasses.replace(
-        optim,
-        learning_rate=optim.learning_rate if optim.learning_rate is not None else derived.learning_rate,
-        batch_size=optim.batch_size if optim.batch_size is not None else derived.expected_batch_size,
-        epochs=optim.epochs if optim.epochs is not None else derived.epochs,
-    )
-    priv = dataclasses.replace(priv, clip_norm=priv.clip_norm if priv.clip_norm is not None else derived.clip_norm)
-    return dataclasses.replace(config, private=optim, privacy=priv), derived
-
-
-def plan_dp(n: int, config: FinetuneConfig) -> DPPlan:
-    """Calibrate the noise so that Poisson-sampled DP-SGD over n examples spends exactly
-    `config.privacy.epsilon` at delta (default 1/n^1.1); refuse a plan that breaks the budget.
-    Null hyper-parameters are derived first (`resolve_dp`); a sweep of k runs is k stages of
-    the one ledger, all at the same noise multiplier."""
-    from dpbert.privacy.accounting import PrivacyLedger, calibrate_noise_multiplier
-    from dpbert.privacy.sampling import physical_batch_size
-    from dpbert.privacy.schedule import BatchSchedule, Stage
-
-    if n < 8:
-        raise ValueError(f"DP fine-tuning needs at least 8 training examples, got n={n}")
-    config, _ = resolve_dp(n, config)
-    optim, priv = config.private, config.privacy
-    delta, rule = _delta(n, priv)
-    batch = min(optim.batch_size, n // 4)
-    steps_per_epoch = max(1, round(n / batch))
-    steps = max(1, math.ceil(optim.epochs * n / batch))
-    runs = config.sweep.runs
-    stage = Stage(steps=steps, expected_batch_size=batch, noise_multiplier=1.0)
-    schedule = calibrate_noise_multiplier(
-        BatchSchedule(stages=(stage,) * runs),
-        dataset_size=n, target_epsilon=priv.epsilon, delta=delta, accountant=priv.accountant,
-    )  # fmt: skip
-    physical = physical_batch_size(batch, n, multiple=min(config.microbatch_size, batch))
-    ledger = PrivacyLedger.for_schedule(
-        schedule, dataset_size=n, delta=delta, clip_norm=priv.clip_norm, accountant=priv.accountant,
-        physical_batch_sizes=[physical] * runs, target_epsilon=priv.epsilon,
-    )  # fmt: skip
-    spent = ledger.check_budget()
-    return DPPlan(
-        epsilon=priv.epsilon, delta=delta, delta_rule=rule, noise_multiplier=schedule.stages[0].noise_multiplier,
-        expected_batch_size=batch, physical_batch_size=physical, steps=steps, steps_per_epoch=steps_per_epoch,
-        ledger=ledger, spent_epsilon=spent, truncation_delta=ledger.truncation_delta(spent), runs=runs,
-    )  # fmt: skip
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
 class _RunFiles:
     """Where a DP fine-tuning run keeps its state: checkpoints (one folder per sweep run), the
     train records (`train.jsonl`) and the evaluation records (`evals.jsonl`)."""
@@ -914,7 +639,7 @@ def finetune(
     model: str,
     output_dir: str | os.PathLike[str],
     data: str | os.PathLike[str] = glue.HUB_DATASET_ID,
-    config: FinetuneConfig = FinetuneConfig(),
+    config: FinetuneConfig = DEFAULT_CONFIG,
     log: Callable[[str], None] = print,
     noise_seed_file: str | os.PathLike[str] | None = None,
     resume: bool = False,
@@ -1137,7 +862,7 @@ def finetune_all(
     model: str,
     output_dir: str | os.PathLike[str],
     glue_root: str | os.PathLike[str],
-    config: FinetuneConfig = FinetuneConfig(),
+    config: FinetuneConfig = DEFAULT_CONFIG,
     log: Callable[[str], None] = print,
     noise_seed_file: str | os.PathLike[str] | None = None,
     resume: bool = False,
