@@ -15,7 +15,7 @@ from dpbert.model import functional
 from dpbert.model.bert import BertForMaskedLM
 from dpbert.privacy.clipping import clipped_grad_sum
 from dpbert.privacy.ghost_clipping import ghost_clipped_grad_sum
-from dpbert.train.pretrain import MaskedMLMGhostLoss, make_loss_fn, make_masker, max_predictions
+from dpbert.train.mlm import MaskedMLMGhostLoss, make_loss_fn, make_masker, max_predictions
 
 VOCAB, SEQ = 97, 24
 SPECIALS = (0, 1, 2, 3, 4)  # [PAD] [UNK] [CLS] [SEP] [MASK]

@@ -116,7 +116,8 @@ def test_remat_and_layer_mode_reach_the_model_and_the_clipped_loss():
     from flax import nnx
 
     from dpbert.train.mesh import make_mesh
-    from dpbert.train.pretrain import abstract_state, bert_config, make_mlm_loss, make_optimizer
+    from dpbert.train.mlm import make_mlm_loss
+    from dpbert.train.model_state import abstract_state, bert_config, make_optimizer
 
     raw = {
         **MINIMAL,

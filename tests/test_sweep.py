@@ -12,7 +12,7 @@ import pytest
 from dpbert.config.plan import make_plan
 from dpbert.config.recipe import recipe_to_dict
 from dpbert.train import sweep as sweep_lib
-from dpbert.train.pretrain import RunResult
+from dpbert.train.pretrain_report import RunResult
 from dpbert.train.sweep import arm_recipe, build_arms, format_table, load_sweep, plot_sweep
 
 SWEEP = Path(__file__).resolve().parents[1] / "recipes" / "sweep_tiny.yaml"

@@ -19,7 +19,8 @@ from dpbert.data.tokenizer import (
     public_vocab_subset_dir,
     resolve_tokenizer,
 )
-from dpbert.train.pretrain import max_predictions, recipe_reference
+from dpbert.train.mlm import max_predictions
+from dpbert.train.pretrain_report import recipe_reference
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
 TEXT = (

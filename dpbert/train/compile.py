@@ -53,6 +53,8 @@ from dpbert.privacy import randomness
 from dpbert.privacy.documents import SEQUENCE_PADDING
 from dpbert.privacy.noise import privatize
 from dpbert.train.mesh import batch_sharding, bytes_per_device, replicated
+from dpbert.train.mlm import make_masker, make_mlm_loss, max_predictions
+from dpbert.train.model_state import abstract_state, bert_config, make_optimizer, make_step, run_keys
 
 # Shape-only stand-ins for token ids the masking code needs (values never matter to shapes).
 _PLACEHOLDER_IDS = {"mask_token_id": 103, "special_token_ids": (0, 101, 102, 103), "pad_id": 0}
@@ -187,17 +189,6 @@ def compile_step(
 ) -> CompileReport:
     """Lower and compile the recipe's step at stage `stage_index` (default: the last, largest)
     on `mesh`; see the module docstring for what is measured and estimated."""
-    from dpbert.train.pretrain import (
-        abstract_state,
-        bert_config,
-        make_masker,
-        make_mlm_loss,
-        make_optimizer,
-        make_step,
-        max_predictions,
-        run_keys,
-    )
-
     n_stages = len(recipe.schedule)
     if not -n_stages <= stage_index < n_stages:
         raise ValueError(f"--stage {stage_index}: the schedule has {n_stages} stages")

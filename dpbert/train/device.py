@@ -112,7 +112,7 @@ def expected_microbatches(
 
 def compiled_rows_per_device(physical_batch_size: int, devices: int, microbatch_size: int) -> int:
     """Rows of the compiled step on each device: the physical batch padded to a multiple of
-    devices x micro-batch (as `dpbert.train.pretrain.device_batch_size`), split evenly."""
+    devices x micro-batch (as `dpbert.train.engine.device_batch_size`), split evenly."""
     multiple = devices * microbatch_size
     return -(-physical_batch_size // multiple) * multiple // devices
 

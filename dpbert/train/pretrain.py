@@ -1,8 +1,10 @@
 """`dpbert pretrain`: masked-LM pretraining of BERT with DP-SGD (or without, for baselines).
 
-One readable loop in sections: run folder, data, model, privacy plan, update step,
-checkpoints, loop, end of run. `pretrain(...)` is the library entry point; the CLI only
-parses flags and calls it.
+The pretraining task on the training engine (`dpbert.train.engine`, which owns the loop,
+checkpoints, resume and SIGTERM): run folder, data (`open_data`), model and state
+(`dpbert.train.model_state`), the masked-LM loss and held-out scoring (`dpbert.train.mlm`),
+the privacy plan (`dpbert.config.plan`), the loop, the end of run (`dpbert.train.pretrain_report`).
+`pretrain(...)` is the library entry point; the CLI only parses flags and calls it.
 
 Run folder (RUN_DIR): `recipe.yaml` (resolved recipe), `store/` (token store, unless the
 recipe names one), `checkpoints/` (Orbax), `metrics.jsonl`, `privacy.json` (the ledger of
@@ -45,20 +47,13 @@ tolerance). Each process reads only its share of a step's rows (`distributed.loc
 only process 0 writes metrics.jsonl, privacy.json, recipe.yaml, hf/, release/ and prints;
 every process takes part in the Orbax checkpoint. With several processes, start
 `jax.distributed` first (`dpbert pretrain --coordinator-address ...` or `--distributed`).
-
-Masked positions: the MLM head decodes only `max_predictions` positions per example (the
-vocabulary projection dominates the cost). It is mean + 4 standard deviations of the
-number of selected tokens, so an example with more selected tokens (probability < 1e-4)
-has its surplus corrupted in the input but not scored, as in BERT's
-`max_predictions_per_seq`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
+import functools
 import os
-import re
 import sys
 import time
 from collections.abc import Callable, Iterable
@@ -68,22 +63,16 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
-from flax import nnx
 from jax.sharding import Mesh
 
-from dpbert.atomic import replace_dir, write_json
-from dpbert.config.plan import make_plan, public_dataset_size
+from dpbert.atomic import write_json
+from dpbert.config.plan import Plan, make_plan, public_dataset_size
 from dpbert.config.recipe import Recipe, load_recipe, recipe_to_dict, save_recipe
-from dpbert.data.masking import example_mask_key, mask_tokens
 from dpbert.data.store import TokenStore, prepare_store
 from dpbert.data.tokenizer import load_tokenizer, resolve_tokenizer
 from dpbert.model import functional
-from dpbert.model.bert import BertForMaskedLM
 from dpbert.privacy.documents import SEQUENCE_PADDING
-from dpbert.privacy.dp_step import StepFn
-from dpbert.privacy.ghost_clipping import MLMGhostLoss
-from dpbert.privacy.randomness import SECRET_FILE, RunSecret, mechanism_key, read_secret
+from dpbert.privacy.randomness import SECRET_FILE, RunSecret, read_secret
 from dpbert.privacy.sampling import check_document_offsets
 from dpbert.release.export import RANDOMNESS_FILE
 from dpbert.train import distributed
@@ -93,412 +82,267 @@ from dpbert.train.engine import (
     Checkpointing,
     Hook,
     Sample,
-    adamw,
     device_batch_size,
-    dp_step,
     fingerprint,
     has_checkpoints,
     restore_or_init,
     run_loop,
     secret_for_run,
 )
-from dpbert.train.mesh import make_mesh, state_shardings
+from dpbert.train.mesh import make_mesh
 from dpbert.train.metrics import MetricsLog
+from dpbert.train.mlm import (
+    evaluate,
+    fill_mask,
+    make_eval_fn,
+    make_masker,
+    make_mlm_loss,
+    max_predictions,
+    unigram_token,
+)
+from dpbert.train.model_state import (
+    abstract_state,
+    bert_config,
+    init_state,
+    learning_rate,
+    make_optimizer,
+    make_step,
+    run_keys,
+)
+from dpbert.train.pretrain_report import RunResult, export_release, print_report, recipe_reference, write_hf
 from dpbert.train.state import TrainState
 
-# Held-out masking uses its own fixed key, the same for every run and seed, so private and
-# non-private runs are scored on identical masks.
-EVAL_MASK_KEY_SEED = 0x65766C  # "evl"
-
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class RunResult:
-    """What a finished (or stopped) run reports. `epsilon` is None for non-private runs."""
+class TrainData:
+    """The run's token store opened for training: the public dataset size N (`n_train` units,
+    sequences or documents, and where N came from), documents' offsets when the unit is a
+    document, and the unigram baseline's token (a non-private diagnostic)."""
 
-    run_dir: Path
-    steps_done: int
-    total_steps: int
-    stopped_early: bool
-    epsilon: float | None
-    delta: float | None
-    eval_mlm_accuracy: float | None
-    eval_mlm_loss: float | None
-    wall_time_s: float
-    fill_mask: tuple[tuple[str, tuple[tuple[str, float], ...]], ...] = ()
-    # The unigram baseline (the most frequent train token predicted at every held-out masked
-    # position, same masks): its accuracy and the token. A non-private diagnostic.
-    eval_unigram_accuracy: float | None = None
-    unigram_token: str | None = None
-    # The recipe header's "Non-private reference: X% ..." line (measured for the shipped recipe).
-    reference: tuple[float, str] | None = None
+    manifest: Any
+    train_store: TokenStore
+    eval_store: TokenStore
+    tokenizer: Any
+    offsets: np.ndarray | None
+    n_train: int
+    n_source: str
+    unigram: int
 
 
-# ---------------------------------------------------------------------------- masking / loss
+def open_data(recipe: Recipe, run_dir: Path, log: Callable[[str], None]) -> TrainData:
+    """Prepare (process 0, on storage every host sees) and open the recipe's token store."""
+    store_dir = Path(recipe.data.store) if recipe.data.store else run_dir / "store"
+    t0 = time.perf_counter()
 
-
-def max_predictions(seq_len: int, mask_prob: float) -> int:
-    """Decoded positions per example: mean + 4 sd of Binomial(seq_len - 2, mask_prob), capped."""
-    n = seq_len - 2  # [CLS] and [SEP] are never selected
-    return min(seq_len, math.ceil(n * mask_prob + 4 * math.sqrt(n * mask_prob * (1 - mask_prob))) + 1)
-
-
-def make_masker(
-    *,
-    vocab_size: int,
-    mask_token_id: int,
-    special_token_ids: tuple[int, ...],
-    pad_id: int,
-    mask_prob: float,
-    num_predictions: int,
-) -> Callable[[jax.Array, jax.Array, jax.Array, jax.Array], dict[str, jax.Array]]:
-    """`(run_key, step, store_index, input_ids [L]) -> model inputs and MLM targets` for ONE
-    example, masked with `example_mask_key(run_key, step, store_index)`. Pure; vmap it."""
-
-    def masker(run_key: jax.Array, step: jax.Array, index: jax.Array, ids: jax.Array) -> dict[str, jax.Array]:
-        masked, labels, weights = mask_tokens(
-            example_mask_key(run_key, step, index),
-            ids,
-            vocab_size=vocab_size,
-            mask_token_id=mask_token_id,
-            special_token_ids=special_token_ids,
-            mask_prob=mask_prob,
+    def prepare() -> Any:
+        return prepare_store(
+            store_dir,
+            corpus=recipe.data.corpus,
+            tokenizer=resolve_tokenizer(recipe.data.tokenizer),
+            seq_len=recipe.data.seq_len,
+            eval_fraction=recipe.data.eval_fraction,
+            seed=recipe.data.split_seed,
+            train_vocab_size=recipe.data.train_vocab_size,
+            num_proc=recipe.data.num_proc,
         )
-        (positions,) = jnp.nonzero(weights, size=num_predictions, fill_value=0)
-        # Position 0 is [CLS], never selected: filler slots read weight 0 there.
-        return {
-            "input_ids": masked,
-            "attention_mask": (ids != pad_id).astype(jnp.int32),
-            "masked_positions": positions.astype(jnp.int32),
-            "labels": labels[positions],
-            "label_weights": weights[positions],
-        }
 
-    return masker
-
-
-def make_loss_fn(
-    graphdef: nnx.GraphDef, masker: Callable[..., dict[str, jax.Array]], run_key: jax.Array
-) -> Callable[[Any, dict[str, jax.Array], jax.Array], jax.Array]:
-    """Per-example loss for the DP core: `example` = {"input_ids" [L], "index", "step"} (store
-    index and global step, which key the masking); `rng` (from the DP core) keys dropout.
-    Returns the mean cross-entropy over the example's masked tokens (0 if none)."""
-
-    def loss_fn(params: Any, example: dict[str, jax.Array], rng: jax.Array) -> jax.Array:
-        x = masker(run_key, example["step"], example["index"], example["input_ids"])
-        logits = functional.mlm_logits(
-            graphdef,
-            params,
-            x["input_ids"],
-            x["attention_mask"],
-            None,
-            rng,
-            masked_positions=x["masked_positions"],
+    # Process 0 builds the store; the others then find it ready.
+    manifest = prepare() if distributed.is_primary() else None
+    distributed.barrier("dpbert pretrain: token store ready")
+    manifest = manifest or prepare()
+    train_store = TokenStore.open(store_dir, "train")
+    eval_store = TokenStore.open(store_dir, "eval")
+    document_unit = recipe.privacy.enabled and recipe.privacy.unit == "document"
+    offsets = train_store.document_offsets() if document_unit else None
+    n_train, n_source = public_dataset_size(recipe, len(train_store) if offsets is None else offsets.size - 1)
+    if offsets is not None:
+        offsets = check_document_offsets(offsets[: n_train + 1])  # an empty document is refused here
+    n_sequences = n_train if offsets is None else int(offsets[-1])
+    log(
+        f"data: {len(train_store)} train / {len(eval_store)} held-out sequences of {manifest.seq_len} tokens "
+        f"({manifest.source}; vocabulary {manifest.vocab_origin}, {manifest.vocab_size} tokens) "
+        f"[{time.perf_counter() - t0:.0f} s]"
+    )
+    units = "sequences" if offsets is None else "documents"
+    if n_source != "exact":
+        log(
+            f"data: sampling from the first {n_train} {units}, the public dataset size N of q = B/N "
+            f"({'declared in the recipe' if n_source == 'declared' else 'rounded down to 2 significant digits'})"
         )
-        ce = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), x["labels"])
-        w = x["label_weights"]
-        return jnp.sum(ce * w) / jnp.maximum(jnp.sum(w), 1.0)
-
-    return loss_fn
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True, eq=False)
-class MaskedMLMGhostLoss(MLMGhostLoss):
-    """`make_loss_fn`'s loss with layer taps, for ghost clipping: the same masking (keyed by
-    run key, step and store index) and the same forward, so the clipped sum is unchanged."""
-
-    masker: Callable[..., dict[str, jax.Array]]
-    run_key: jax.Array
-
-    def tapped(self, params: Any, example: dict[str, jax.Array], rng: jax.Array | None, z: dict | None):
-        if SEQUENCE_PADDING not in example:
-            x = self.masker(self.run_key, example["step"], example["index"], example["input_ids"])
-            return super().tapped(params, x, rng, z)
-        # A document ([K, L] sequences): each sequence masked with its own store index, as alone.
-        x = jax.vmap(self.masker, in_axes=(None, 0, 0, 0))(
-            self.run_key, example["step"], example["index"], example["input_ids"]
+    if offsets is not None:
+        log(
+            f"privacy unit: one document ({n_train} documents, {n_sequences} sequences; at most "
+            f"{recipe.privacy.max_sequences_per_document} sequences of a sampled document per step)"
         )
-        return super().tapped(params, {**x, SEQUENCE_PADDING: example[SEQUENCE_PADDING]}, rng, z)
-
-
-def make_eval_fn(
-    graphdef: nnx.GraphDef, masker: Callable[..., dict[str, jax.Array]]
-) -> Callable[..., dict[str, jax.Array]]:
-    """Jitted held-out scoring of a batch (rows with `valid` False count for nothing):
-    sums of correct predictions, cross-entropy and masked tokens, and the correct predictions
-    of the unigram baseline (`unigram_token` predicted everywhere) on the same masked positions.
-    Masks with the fixed eval key, so every run and every call scores the same masks."""
-    eval_key = jax.random.key(EVAL_MASK_KEY_SEED)
-
-    @jax.jit
-    def eval_fn(
-        params: Any, indices: jax.Array, input_ids: jax.Array, valid: jax.Array, unigram_token: jax.Array
-    ) -> dict[str, jax.Array]:
-        x = jax.vmap(masker, in_axes=(None, None, 0, 0))(eval_key, 0, indices, input_ids)
-        logits = functional.mlm_logits(
-            graphdef,
-            params,
-            x["input_ids"],
-            x["attention_mask"],
-            None,
-            None,
-            masked_positions=x["masked_positions"],
-        ).astype(jnp.float32)
-        w = x["label_weights"] * valid[:, None]
-        ce = optax.softmax_cross_entropy_with_integer_labels(logits, x["labels"])
-        correct = (jnp.argmax(logits, -1) == x["labels"]).astype(jnp.float32)
-        unigram = (x["labels"] == unigram_token).astype(jnp.float32)
-        return {
-            "correct": jnp.sum(correct * w),
-            "loss": jnp.sum(ce * w),
-            "count": jnp.sum(w),
-            "unigram_correct": jnp.sum(unigram * w),
-        }
-
-    return eval_fn
-
-
-# ---------------------------------------------------------------------------- privacy plan
-
-
-# ---------------------------------------------------------------------------- model, state and step
-
-
-def bert_config(recipe: Recipe, tokenizer_vocab_size: int | None = None) -> Any:
-    """The recipe's `transformers.BertConfig` (`init_from`'s own config when given);
-    `model.vocab_size: null` takes `tokenizer_vocab_size`."""
-    from transformers import BertConfig
-
-    m = recipe.model
-    if m.init_from is not None:
-        return BertConfig.from_pretrained(m.init_from)
-    if m.vocab_size is not None and tokenizer_vocab_size is not None and m.vocab_size < tokenizer_vocab_size:
-        raise ValueError(
-            f"recipe field 'model.vocab_size': {m.vocab_size} is smaller than the tokenizer's {tokenizer_vocab_size} tokens"
-        )
-    vocab_size = m.vocab_size or tokenizer_vocab_size
-    if vocab_size is None:
-        raise ValueError(
-            "recipe field 'model.vocab_size': needed here (null means the tokenizer's size, which is "
-            "only known once the data is prepared)"
-        )
-    return BertConfig(
-        vocab_size=vocab_size,
-        hidden_size=m.hidden_size,
-        num_hidden_layers=m.num_hidden_layers,
-        num_attention_heads=m.num_attention_heads,
-        intermediate_size=m.intermediate_size,
-        max_position_embeddings=m.max_position_embeddings or recipe.data.seq_len,
-        hidden_dropout_prob=m.hidden_dropout_prob,
-        attention_probs_dropout_prob=m.attention_probs_dropout_prob,
+    return TrainData(
+        manifest=manifest,
+        train_store=train_store,
+        eval_store=eval_store,
+        tokenizer=load_tokenizer(train_store.tokenizer_dir),
+        offsets=offsets,
+        n_train=n_train,
+        n_source=n_source,
+        unigram=unigram_token(train_store, n_sequences, manifest.special_token_ids),
     )
 
 
-def make_optimizer(recipe: Recipe) -> optax.GradientTransformation:
-    o = recipe.optimizer
-    return adamw(learning_rate(recipe), weight_decay=o.weight_decay, b1=o.b1, b2=o.b2, eps=o.eps)
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class AbstractState:
-    """Shapes, dtypes and shardings of a run's params and optimizer state on `mesh` (no arrays)."""
-
-    graphdef: nnx.GraphDef
-    params: Any  # ShapeDtypeStructs with their shardings
-    opt_state: Any
-    build: Callable[[], BertForMaskedLM]
-
-    @property
-    def shardings(self) -> tuple[Any, Any]:
-        """(params, opt_state) NamedSharding pytrees, as the step takes them."""
-        return tuple(jax.tree_util.tree_map(lambda x: x.sharding, tree) for tree in (self.params, self.opt_state))
-
-
-def abstract_state(recipe: Recipe, config: Any, optimizer: optax.GradientTransformation, mesh: Mesh) -> AbstractState:
-    """The run's state as `jax.eval_shape` sees it, placed by `dpbert.train.mesh.state_shardings`."""
-    dtype = jnp.bfloat16 if recipe.train.dtype == "bfloat16" else jnp.float32
-
-    def build() -> BertForMaskedLM:
-        return BertForMaskedLM(config, rngs=nnx.Rngs(recipe.train.seed), dtype=dtype, remat=recipe.model.remat)
-
-    graphdef, params = functional.split_params(nnx.eval_shape(build))
-    opt_state = jax.eval_shape(optimizer.init, params)
-
-    def place(tree: Any) -> Any:
-        return jax.tree_util.tree_map(
-            lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, state_shardings(tree, mesh)
-        )
-
-    return AbstractState(graphdef=graphdef, params=place(params), opt_state=place(opt_state), build=build)
-
-
-def init_state(recipe: Recipe, abstract: AbstractState, optimizer: optax.GradientTransformation) -> tuple[Any, Any]:
-    """Fresh params (random init, or `model.init_from`'s weights) and optimizer state, created
-    directly in their shardings: each device computes or receives only its shards."""
-    params_sh, opt_sh = abstract.shardings
-    m = recipe.model
-    if m.init_from is None:
-        params = jax.jit(lambda: functional.split_params(abstract.build())[1], out_shardings=params_sh)()
-    else:
-        dtype = jnp.bfloat16 if recipe.train.dtype == "bfloat16" else jnp.float32
-        loaded = BertForMaskedLM.from_pretrained(
-            m.init_from,
-            dtype=dtype,
-            seed=recipe.train.seed,
-            hidden_dropout_prob=m.hidden_dropout_prob,
-            attention_probs_dropout_prob=m.attention_probs_dropout_prob,
-        )
-        host = jax.device_get(functional.split_params(loaded)[1])
-        params = jax.tree_util.tree_map(distributed.from_host, host, params_sh)
-    return params, jax.jit(optimizer.init, out_shardings=opt_sh)(params)
-
-
-def make_mlm_loss(
-    recipe: Recipe, graphdef: nnx.GraphDef, masker: Callable[..., dict[str, jax.Array]], run_key: jax.Array
-) -> Any:
-    """The per-example masked-LM loss the step clips: with layer taps (ghost clipping) unless
-    the run is non-private or `train.clipping` is "vmap". With `privacy.unit: document` an
-    example is a document (`dpbert.privacy.documents`) and the loss is always the tapped one,
-    a plain loss too, so that both clipping paths clip the same function."""
-    if recipe.privacy.enabled and (recipe.train.clipping != "vmap" or recipe.privacy.unit == "document"):
-        return MaskedMLMGhostLoss(graphdef=graphdef, masker=masker, run_key=run_key, layer_mode=recipe.train.layer_mode)
-    return make_loss_fn(graphdef, masker, run_key)
-
-
-def make_step(
+def sample_batch(
     recipe: Recipe,
-    loss_fn: Any,
-    optimizer: optax.GradientTransformation,
-    *,
-    noise_multiplier: float,
-    expected_batch_size: int,
+    data: TrainData,
+    plan: Plan,
+    stage_keys: tuple[jax.Array, ...],
+    device_batches: tuple[int, ...],
     mesh: Mesh,
-    shardings: tuple[Any, Any],
-) -> StepFn:
-    """The jitted step of one schedule stage exactly as the trainer runs it (and as
-    `dpbert pretrain --compile-only` compiles it): batch split over all mesh axes, state in
-    `shardings`, params and optimizer state donated."""
-    return dp_step(
-        loss_fn,
-        optimizer,
-        private=recipe.privacy.enabled,
-        clip_norm=recipe.privacy.clip_norm,
-        noise_multiplier=noise_multiplier,
-        expected_batch_size=expected_batch_size,
-        microbatch_size=recipe.train.microbatch_size,
-        clipping=recipe.train.clipping,
-        mesh=mesh,
-        shardings=shardings,
-    )
-
-
-# ---------------------------------------------------------------------------- helpers
-
-
-def learning_rate(recipe: Recipe) -> optax.Schedule:
-    o, total = recipe.optimizer, recipe.total_steps
-    end = o.learning_rate * o.end_learning_rate_fraction
-    decay_steps = max(total - o.warmup_steps, 1)
-    if o.decay == "constant":
-        decay = optax.constant_schedule(o.learning_rate)
-    elif o.decay == "linear":
-        decay = optax.linear_schedule(o.learning_rate, end, decay_steps)
-    else:
-        decay = optax.cosine_decay_schedule(o.learning_rate, decay_steps, alpha=o.end_learning_rate_fraction)
-    if o.warmup_steps == 0:
-        return decay
-    warmup = optax.linear_schedule(0.0, o.learning_rate, o.warmup_steps)
-    return optax.join_schedules([warmup, decay], [o.warmup_steps])
-
-
-def unigram_token(store: TokenStore, dataset_size: int, special_token_ids: Iterable[int], *, chunk: int = 8192) -> int:
-    """The most frequent non-special token among the first `dataset_size` train sequences: the
-    unigram baseline predicts it at every masked position. NOT covered by the DP guarantee (a
-    statistic of the private corpus, reported as a diagnostic beside the private accuracy)."""
-    counts = np.zeros(store.manifest.vocab_size, np.int64)
-    for start in range(0, dataset_size, chunk):
-        rows = np.asarray(store[np.arange(start, min(start + chunk, dataset_size))])
-        counts += np.bincount(rows.ravel(), minlength=counts.size)[: counts.size]
-    counts[list(special_token_ids)] = 0
-    return int(np.argmax(counts))
-
-
-def evaluate(
-    params: Any,
-    eval_fn: Callable[..., Any],
-    store: TokenStore,
-    *,
-    batches: int,
-    batch_size: int,
-    mesh: Mesh | None = None,
-    unigram: int = 0,
-) -> dict[str, float]:
-    """Held-out MLM accuracy and loss on the first `batches * batch_size` eval examples (every
-    process reads the same rows; with `mesh`, they enter the computation replicated on it), and
-    the accuracy of always predicting token `unigram` on the same masked positions."""
-    n = min(len(store), batches * batch_size)
-    if n == 0:
-        raise ValueError(f"token store {store.path}: the eval split is empty; raise data.eval_fraction")
-    totals = {"correct": 0.0, "loss": 0.0, "count": 0.0, "unigram_correct": 0.0}
-    for start in range(0, n, batch_size):
-        # Fixed shapes (one compilation): the last batch is padded with row 0, marked invalid.
-        idx = np.arange(start, start + batch_size)
-        valid = idx < n
-        idx = np.where(valid, idx, 0)
-        args = (
-            idx.astype(np.int32),
-            np.asarray(store[idx], np.int32),
-            valid.astype(np.float32),
-            np.asarray(unigram, np.int32),
+    index: int,
+    t: int,
+) -> Sample:
+    """Step t's Poisson sample (stage `index`): this process's rows only, truncated at the
+    ledger's physical batch, padded to the stage's compiled batch, as global arrays on `mesh`."""
+    stage = plan.schedule.stages[index]
+    if data.offsets is None:
+        drawn, rows = distributed.local_batch(
+            data.train_store,
+            stage_keys[index],
+            t,
+            dataset_size=data.n_train,
+            expected_batch_size=stage.expected_batch_size,
+            physical_batch_size=plan.physical_batch_sizes[index],
+            padded_batch_size=device_batches[index],
         )
-        out = eval_fn(params, *(distributed.replicate(args, mesh) if mesh is not None else map(jnp.asarray, args)))
-        for k in totals:
-            totals[k] += float(out[k])
-    count = max(totals["count"], 1.0)
+        extra = {}
+    else:
+        drawn, rows = distributed.local_document_batch(
+            data.train_store,
+            stage_keys[index],
+            t,
+            document_offsets=data.offsets,
+            num_documents=data.n_train,
+            expected_batch_size=stage.expected_batch_size,
+            physical_batch_size=plan.physical_batch_sizes[index],
+            max_sequences_per_document=recipe.privacy.max_sequences_per_document,
+            padded_batch_size=device_batches[index],
+        )
+        extra = {SEQUENCE_PADDING: drawn.sequence_padding}
+    batch, is_padding = distributed.global_array(
+        (
+            {
+                "input_ids": rows.astype(np.int32),
+                "index": drawn.indices.astype(np.int32),
+                "step": np.full(drawn.indices.shape, t, np.int32),
+                **extra,
+            },
+            drawn.is_padding,
+        ),
+        mesh,
+    )
+    return Sample(batch=batch, is_padding=is_padding, realized_size=drawn.realized_size)
+
+
+def state_fingerprints(recipe: Recipe, manifest: Any, n_train: int) -> dict[str, str]:
+    """What a checkpoint's arrays depend on; a resume must match every entry."""
     return {
-        "eval_mlm_accuracy": totals["correct"] / count,
-        "eval_mlm_loss": totals["loss"] / count,
-        "eval_unigram_accuracy": totals["unigram_correct"] / count,
-        "eval_masked_tokens": int(totals["count"]),
-        "eval_examples": n,
+        # remat trades memory for compute and changes no result: a resume may switch it.
+        "model": fingerprint({k: v for k, v in recipe_to_dict(recipe)["model"].items() if k != "remat"}),
+        "data": f"{manifest.tokenizer_fingerprint[:16]}/{manifest.corpus_sha256[:16]}/{n_train}/{manifest.seq_len}",
+        "optimizer": fingerprint(recipe_to_dict(recipe)["optimizer"]),
+        "seed": str(recipe.train.seed),
+        "private": str(recipe.privacy.enabled),
     }
 
 
-def fill_mask(
-    graphdef: nnx.GraphDef, params: Any, tokenizer: Any, sentences: Iterable[str], top_k: int, seq_len: int
-) -> tuple[tuple[str, tuple[tuple[str, float], ...]], ...]:
-    """Top-k predictions (token, probability) for the one [MASK] of each sentence."""
-    sentences = list(sentences)
-    if not sentences:
-        return ()
-    enc = tokenizer(sentences, padding="max_length", truncation=True, max_length=seq_len, return_tensors="np")
-    ids = enc["input_ids"]
-    positions = []
-    for sentence, row in zip(sentences, ids, strict=True):
-        where = np.flatnonzero(row == tokenizer.mask_token_id)
-        if where.size != 1:
-            raise ValueError(
-                f"fill-mask sentence {sentence!r}: expected exactly one {tokenizer.mask_token} "
-                f"within the first {seq_len} tokens"
-            )
-        positions.append(where[:1])
-    logits = jax.jit(functional.mlm_logits, static_argnums=0)(
-        graphdef,
-        params,
-        jnp.asarray(ids),
-        jnp.asarray(enc["attention_mask"]),
-        None,
-        None,
-        masked_positions=jnp.asarray(np.stack(positions), jnp.int32),
+def _shared_secret(ckpt_dir: Path, *, resume: bool, supplied: str | os.PathLike[str] | None) -> RunSecret:
+    """The run's secret, drawn (or read back) by process 0; the other processes read its file."""
+    secret = secret_for_run(ckpt_dir, resume=resume, supplied=supplied) if distributed.is_primary() else None
+    distributed.barrier("dpbert pretrain: noise secret ready")
+    return secret or read_secret(ckpt_dir / SECRET_FILE)
+
+
+def _log_setup(
+    recipe: Recipe, plan: Plan, mesh: Mesh, device_batches: tuple[int, ...], log: Callable[[str], None]
+) -> None:
+    log(
+        f"devices: mesh {' x '.join(f'{k}={v}' for k, v in mesh.shape.items())} over {jax.process_count()} "
+        f"process(es); compiled batch per stage {', '.join(map(str, device_batches))}"
     )
-    probs = np.asarray(jax.nn.softmax(logits[:, 0].astype(jnp.float32), axis=-1))
-    results = []
-    for sentence, p in zip(sentences, probs, strict=True):
-        top = np.argsort(-p)[:top_k]
-        results.append((sentence, tuple((tokenizer.convert_ids_to_tokens(int(t)), float(p[t])) for t in top)))
-    return tuple(results)
+    if plan.ledger is None:
+        log("privacy: NOT private (baseline: no clipping, no noise)")
+        return
+    sigmas = ", ".join(f"{s.noise_multiplier:.4g}" for s in plan.schedule.stages)
+    log(
+        f"privacy: DP-SGD, clip norm {recipe.privacy.clip_norm}, noise multiplier(s) {sigmas}, "
+        f"planned epsilon {plan.ledger.epsilon():.3f} at delta {recipe.privacy.delta:g} ({recipe.privacy.accountant})"
+    )
 
 
-# ---------------------------------------------------------------------------- the run
+def _finish(
+    recipe: Recipe,
+    recipe_path: str | os.PathLike[str],
+    data: TrainData,
+    plan: Plan,
+    state: TrainState,
+    *,
+    run_dir: Path,
+    graphdef: Any,
+    last_eval: dict[str, Any] | None,
+    started: float,
+    release: bool,
+    show_fill_mask: bool,
+    log: Callable[[str], None],
+) -> RunResult:
+    """The run's result; after a complete run (`last_eval` given) also the exports (`hf/`,
+    `release/`, process 0 only), fill-mask predictions and the printed report."""
+    common = {
+        "run_dir": run_dir,
+        "steps_done": state.step,
+        "total_steps": recipe.total_steps,
+        "epsilon": plan.epsilon_after(state.step),
+        "delta": None if plan.ledger is None else recipe.privacy.delta,
+    }
+    if last_eval is None:
+        return RunResult(
+            **common,
+            stopped_early=True,
+            eval_mlm_accuracy=None,
+            eval_mlm_loss=None,
+            wall_time_s=time.perf_counter() - started,
+        )
+    host_params = distributed.host_copy(state.params)  # collective; then process 0 alone writes
+    filled: tuple[Any, ...] = ()
+    release_dir: Path | None = None
+    primary = distributed.is_primary()
+    if primary:
+        if release:
+            write_hf(
+                functional.merge(graphdef, jax.tree_util.tree_map(jnp.asarray, host_params)),
+                data.tokenizer,
+                run_dir / "hf",
+                ledger=None if plan.ledger is None else state.ledger,
+            )
+            release_dir = export_release(run_dir, private=plan.ledger is not None)
+        if show_fill_mask:
+            filled = fill_mask(
+                graphdef,
+                host_params,
+                data.tokenizer,
+                recipe.report.fill_mask,
+                recipe.report.top_k,
+                data.manifest.seq_len,
+            )
+    distributed.barrier("dpbert pretrain: exports written")
+    result = RunResult(
+        **common,
+        stopped_early=False,
+        eval_mlm_accuracy=last_eval["eval_mlm_accuracy"],
+        eval_mlm_loss=last_eval["eval_mlm_loss"],
+        wall_time_s=time.perf_counter() - started,
+        fill_mask=filled,
+        eval_unigram_accuracy=last_eval["eval_unigram_accuracy"],
+        unigram_token=data.tokenizer.convert_ids_to_tokens(data.unigram),
+        reference=recipe_reference(recipe_path),
+    )
+    if primary:
+        print_report(result, release_dir, log)
+    return result
 
 
 def pretrain(
@@ -538,51 +382,8 @@ def pretrain(
         )
 
     # --- data
-    store_dir = Path(recipe.data.store) if recipe.data.store else run_dir / "store"
-    t0 = time.perf_counter()
-
-    def prepare() -> Any:
-        return prepare_store(
-            store_dir,
-            corpus=recipe.data.corpus,
-            tokenizer=resolve_tokenizer(recipe.data.tokenizer),
-            seq_len=recipe.data.seq_len,
-            eval_fraction=recipe.data.eval_fraction,
-            seed=recipe.data.split_seed,
-            train_vocab_size=recipe.data.train_vocab_size,
-            num_proc=recipe.data.num_proc,
-        )
-
-    # Process 0 builds the store (on storage every host sees); the others then find it ready.
-    manifest = prepare() if primary else None
-    distributed.barrier("dpbert pretrain: token store ready")
-    manifest = manifest or prepare()
-    train_store = TokenStore.open(store_dir, "train")
-    eval_store = TokenStore.open(store_dir, "eval")
-    tokenizer = load_tokenizer(train_store.tokenizer_dir)
-    document_unit = recipe.privacy.enabled and recipe.privacy.unit == "document"
-    offsets = train_store.document_offsets() if document_unit else None
-    n_train, n_source = public_dataset_size(recipe, len(train_store) if offsets is None else offsets.size - 1)
-    if offsets is not None:
-        offsets = check_document_offsets(offsets[: n_train + 1])  # an empty document is refused here
-    n_sequences = n_train if offsets is None else int(offsets[-1])
-    unigram = unigram_token(train_store, n_sequences, manifest.special_token_ids)
-    log(
-        f"data: {len(train_store)} train / {len(eval_store)} held-out sequences of {manifest.seq_len} tokens "
-        f"({manifest.source}; vocabulary {manifest.vocab_origin}, {manifest.vocab_size} tokens) "
-        f"[{time.perf_counter() - t0:.0f} s]"
-    )
-    units = "sequences" if offsets is None else "documents"
-    if n_source != "exact":
-        log(
-            f"data: sampling from the first {n_train} {units}, the public dataset size N of q = B/N "
-            f"({'declared in the recipe' if n_source == 'declared' else 'rounded down to 2 significant digits'})"
-        )
-    if offsets is not None:
-        log(
-            f"privacy unit: one document ({n_train} documents, {n_sequences} sequences; at most "
-            f"{recipe.privacy.max_sequences_per_document} sequences of a sampled document per step)"
-        )
+    data = open_data(recipe, run_dir, log)
+    manifest, offsets, n_train = data.manifest, data.offsets, data.n_train
 
     # --- devices, model and optimizer
     mesh = make_mesh(data=recipe.mesh.data, fsdp=recipe.mesh.fsdp)
@@ -592,7 +393,7 @@ def pretrain(
     recipe = dataclasses.replace(recipe, model=dataclasses.replace(recipe.model, vocab_size=vocab_size))
     # --- privacy plan (refuses a schedule that would pass the target epsilon, before anything is written),
     # from the recipe as written: the device's settings below never change the ledger
-    plan = make_plan(recipe, n_train, dataset_size_source=n_source)
+    plan = make_plan(recipe, n_train, dataset_size_source=data.n_source)
     written = recipe
     if recipe.train.tune_for_device and offsets is None:  # document batches keep the recipe's micro-batch
         settings = device_settings(
@@ -608,12 +409,7 @@ def pretrain(
     optimizer = make_optimizer(recipe)
     abstract = abstract_state(recipe, config, optimizer, mesh)
     graphdef = abstract.graphdef
-    secret = None
-    if recipe.privacy.enabled:
-        if primary:
-            secret = secret_for_run(ckpt_dir, resume=resume, supplied=noise_seed_file)
-        distributed.barrier("dpbert pretrain: noise secret ready")
-        secret = secret or read_secret(ckpt_dir / SECRET_FILE)  # the other processes read process 0's
+    secret = _shared_secret(ckpt_dir, resume=resume, supplied=noise_seed_file) if recipe.privacy.enabled else None
     masking_key, stage_keys = run_keys(recipe, secret, mechanism)
     masker = make_masker(
         vocab_size=vocab_size,
@@ -627,28 +423,10 @@ def pretrain(
     eval_fn = make_eval_fn(graphdef, masker)
     mb = recipe.train.microbatch_size
     device_batches = tuple(device_batch_size(b, devices, mb) for b in plan.physical_batch_sizes)
-    log(
-        f"devices: mesh {' x '.join(f'{k}={v}' for k, v in mesh.shape.items())} over {jax.process_count()} "
-        f"process(es); compiled batch per stage {', '.join(map(str, device_batches))}"
-    )
-    if plan.ledger is not None:
-        sigmas = ", ".join(f"{s.noise_multiplier:.4g}" for s in plan.schedule.stages)
-        log(
-            f"privacy: DP-SGD, clip norm {recipe.privacy.clip_norm}, noise multiplier(s) {sigmas}, "
-            f"planned epsilon {plan.ledger.epsilon():.3f} at delta {recipe.privacy.delta:g} ({recipe.privacy.accountant})"
-        )
-    else:
-        log("privacy: NOT private (baseline: no clipping, no noise)")
+    _log_setup(recipe, plan, mesh, device_batches, log)
 
     # --- state: restored into its shardings, or created in them
-    fingerprints = {
-        # remat trades memory for compute and changes no result: a resume may switch it.
-        "model": fingerprint({k: v for k, v in recipe_to_dict(recipe)["model"].items() if k != "remat"}),
-        "data": f"{manifest.tokenizer_fingerprint[:16]}/{manifest.corpus_sha256[:16]}/{n_train}/{manifest.seq_len}",
-        "optimizer": fingerprint(recipe_to_dict(recipe)["optimizer"]),
-        "seed": str(recipe.train.seed),
-        "private": str(recipe.privacy.enabled),
-    }
+    fingerprints = state_fingerprints(recipe, manifest, n_train)
     checkpoints = CheckpointStore(ckpt_dir, keep=recipe.train.keep_checkpoints)
     metrics_path = run_dir / "metrics.jsonl"
     state = restore_or_init(
@@ -684,56 +462,15 @@ def pretrain(
             shardings=abstract.shardings,
         )
 
-    def sample(index: int, t: int) -> Sample:
-        """This process's rows only; the ledger's truncation size, padded for the mesh."""
-        stage = plan.schedule.stages[index]
-        if offsets is None:
-            drawn, rows = distributed.local_batch(
-                train_store,
-                stage_keys[index],
-                t,
-                dataset_size=n_train,
-                expected_batch_size=stage.expected_batch_size,
-                physical_batch_size=plan.physical_batch_sizes[index],
-                padded_batch_size=device_batches[index],
-            )
-            extra = {}
-        else:
-            drawn, rows = distributed.local_document_batch(
-                train_store,
-                stage_keys[index],
-                t,
-                document_offsets=offsets,
-                num_documents=n_train,
-                expected_batch_size=stage.expected_batch_size,
-                physical_batch_size=plan.physical_batch_sizes[index],
-                max_sequences_per_document=recipe.privacy.max_sequences_per_document,
-                padded_batch_size=device_batches[index],
-            )
-            extra = {SEQUENCE_PADDING: drawn.sequence_padding}
-        batch, is_padding = distributed.global_array(
-            (
-                {
-                    "input_ids": rows.astype(np.int32),
-                    "index": drawn.indices.astype(np.int32),
-                    "step": np.full(drawn.indices.shape, t, np.int32),
-                    **extra,
-                },
-                drawn.is_padding,
-            ),
-            mesh,
-        )
-        return Sample(batch=batch, is_padding=is_padding, realized_size=drawn.realized_size)
-
     def run_eval(state: TrainState) -> dict[str, Any]:
         result = evaluate(
             state.params,
             eval_fn,
-            eval_store,
+            data.eval_store,
             batches=recipe.train.eval_batches,
             batch_size=recipe.train.eval_batch_size,
             mesh=mesh,
-            unigram=unigram,
+            unigram=data.unigram,
         )
         return {"kind": "eval", "step": state.step, **result}
 
@@ -755,7 +492,7 @@ def pretrain(
             plan=plan,
             stage_keys=stage_keys,
             make_step=make_stage_step,
-            sample=sample,
+            sample=functools.partial(sample_batch, recipe, data, plan, stage_keys, device_batches, mesh),
             checkpointing=Checkpointing(
                 store=checkpoints, fingerprints=fingerprints, every=recipe.train.checkpoint_every, after_save=after_save
             ),
@@ -777,58 +514,22 @@ def pretrain(
         if metrics is not None:
             metrics.close()
         checkpoints.close()
-    stopped = loop.stopped
 
     # --- end of run
-    epsilon = plan.epsilon_after(state.step)
-    delta = None if plan.ledger is None else recipe.privacy.delta
-    if stopped:
-        return RunResult(
-            run_dir=run_dir,
-            steps_done=state.step,
-            total_steps=total,
-            stopped_early=True,
-            epsilon=epsilon,
-            delta=delta,
-            eval_mlm_accuracy=None,
-            eval_mlm_loss=None,
-            wall_time_s=time.perf_counter() - started,
-        )
-    host_params = distributed.host_copy(state.params)  # collective; then process 0 alone writes
-    filled: tuple[Any, ...] = ()
-    release_dir: Path | None = None
-    if primary:
-        if release:
-            _write_hf(
-                functional.merge(graphdef, jax.tree_util.tree_map(jnp.asarray, host_params)),
-                tokenizer,
-                run_dir / "hf",
-                ledger=None if plan.ledger is None else state.ledger,
-            )
-            release_dir = _export_release(run_dir, private=plan.ledger is not None)
-        if show_fill_mask:
-            filled = fill_mask(
-                graphdef, host_params, tokenizer, recipe.report.fill_mask, recipe.report.top_k, manifest.seq_len
-            )
-    distributed.barrier("dpbert pretrain: exports written")
-    result = RunResult(
+    return _finish(
+        recipe,
+        recipe_path,
+        data,
+        plan,
+        state,
         run_dir=run_dir,
-        steps_done=state.step,
-        total_steps=total,
-        stopped_early=False,
-        epsilon=epsilon,
-        delta=delta,
-        eval_mlm_accuracy=last_eval["eval_mlm_accuracy"],
-        eval_mlm_loss=last_eval["eval_mlm_loss"],
-        wall_time_s=time.perf_counter() - started,
-        fill_mask=filled,
-        eval_unigram_accuracy=last_eval["eval_unigram_accuracy"],
-        unigram_token=tokenizer.convert_ids_to_tokens(unigram),
-        reference=recipe_reference(recipe_path),
+        graphdef=abstract.graphdef,
+        last_eval=last_eval,
+        started=started,
+        release=release,
+        show_fill_mask=show_fill_mask,
+        log=log,
     )
-    if primary:
-        _report(result, release_dir, log)
-    return result
 
 
 def _silent(_: str) -> None:
@@ -847,88 +548,3 @@ def _progress_bar(total: int, initial: int, *, enabled: bool) -> Any:
         file=sys.stderr,
         dynamic_ncols=True,
     )
-
-
-def _write_hf(model: BertForMaskedLM, tokenizer: Any, out: Path, *, ledger: dict[str, Any] | None) -> None:
-    """The final model and its tokenizer as a Hugging Face folder (atomic: temp sibling, rename),
-    with the run's privacy ledger beside the weights when the run was private."""
-    with replace_dir(out) as tmp:
-        model.save_pretrained(str(tmp))
-        tokenizer.save_pretrained(str(tmp))
-        if ledger is not None:
-            write_json(tmp / "privacy.json", ledger)
-
-
-def run_keys(recipe: Recipe, secret: RunSecret | None, mechanism: str) -> tuple[jax.Array, tuple[jax.Array, ...]]:
-    """(masking key, one key per stage): from the secret by domain separation when private,
-    else all `jax.random.key(train.seed)` (a non-private run has nothing to hide)."""
-    if secret is None:
-        key = jax.random.key(recipe.train.seed)
-        return key, (key,) * len(recipe.schedule)
-    return mechanism_key(secret, f"{mechanism}/masking"), tuple(
-        mechanism_key(secret, f"{mechanism}/stage/{i}") for i in range(len(recipe.schedule))
-    )
-
-
-def _export_release(run_dir: Path, *, private: bool) -> Path:
-    from dpbert.release.export import export_run
-
-    return export_run(run_dir, run_dir / "release", non_private=not private, overwrite=True)
-
-
-REFERENCE_LINE = re.compile(r"^#\s*non-private reference:\s*([0-9]+(?:\.[0-9]+)?)%\s*(.*)$", re.IGNORECASE)
-
-
-def recipe_reference(path: str | os.PathLike[str]) -> tuple[float, str] | None:
-    """(accuracy, rest of the line) from the recipe header's comment line
-    `# Non-private reference: 21.3% held-out MLM accuracy, measured ...`: the accuracy that the
-    non-private twin of the shipped recipe reached with the same compute (examples and steps).
-    None when the header has no such line."""
-    try:
-        lines = Path(path).read_text(encoding="utf-8").splitlines()
-    except OSError:
-        return None
-    for line in lines:
-        if not line.startswith("#"):
-            break
-        match = REFERENCE_LINE.match(line.strip())
-        if match:
-            return float(match.group(1)) / 100, match.group(2).strip()
-    return None
-
-
-def _report(result: RunResult, release: Path | None, log: Callable[[str], None]) -> None:
-    log("")
-    log(f"run {result.run_dir}: {result.steps_done} steps in {result.wall_time_s:.0f} s")
-    if result.epsilon is None:
-        log("privacy: NOT private (baseline)")
-    else:
-        log(f"privacy: epsilon = {result.epsilon:.3f} at delta = {result.delta:g}")
-    log(f"held-out MLM accuracy: {100 * result.eval_mlm_accuracy:.2f}%  (loss {result.eval_mlm_loss:.3f})")
-    rows = [
-        (
-            "this run, " + ("NOT private" if result.epsilon is None else f"DP at epsilon {result.epsilon:.2f}"),
-            result.eval_mlm_accuracy,
-            "",
-        )
-    ]
-    if result.eval_unigram_accuracy is not None:
-        rows.append(
-            (
-                f"unigram baseline ('{result.unigram_token}' everywhere)",
-                result.eval_unigram_accuracy,
-                "the most frequent train token (non-private diagnostic)",
-            )
-        )
-    if result.reference is not None:
-        rows.append(
-            ("non-private reference, same compute", result.reference[0], f"recipe header: {result.reference[1]}")
-        )
-    log("held-out masked-token accuracy, same masked positions:")
-    for name, value, note in rows:
-        log(f"  {name:<40}{100 * value:6.2f}%   {note}".rstrip())
-    if release is not None:
-        log(f"Hugging Face folder: {result.run_dir / 'hf'}; release with privacy metadata: {release}")
-    for sentence, preds in result.fill_mask:
-        log(f"  {sentence}")
-        log("    -> " + ", ".join(f"{tok} ({p:.2f})" for tok, p in preds))

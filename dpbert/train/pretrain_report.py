@@ -1,0 +1,111 @@
+"""What a pretraining run leaves and says at its end: `RunResult`, the Hugging Face folder and
+release, and the printed report (held-out accuracy beside the unigram baseline and the recipe's
+non-private reference).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from dpbert.atomic import replace_dir, write_json
+from dpbert.model.bert import BertForMaskedLM
+from dpbert.release.export import export_run
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RunResult:
+    """What a finished (or stopped) run reports. `epsilon` is None for non-private runs."""
+
+    run_dir: Path
+    steps_done: int
+    total_steps: int
+    stopped_early: bool
+    epsilon: float | None
+    delta: float | None
+    eval_mlm_accuracy: float | None
+    eval_mlm_loss: float | None
+    wall_time_s: float
+    fill_mask: tuple[tuple[str, tuple[tuple[str, float], ...]], ...] = ()
+    # The unigram baseline (the most frequent train token predicted at every held-out masked
+    # position, same masks): its accuracy and the token. A non-private diagnostic.
+    eval_unigram_accuracy: float | None = None
+    unigram_token: str | None = None
+    # The recipe header's "Non-private reference: X% ..." line (measured for the shipped recipe).
+    reference: tuple[float, str] | None = None
+
+
+def write_hf(model: BertForMaskedLM, tokenizer: Any, out: Path, *, ledger: dict[str, Any] | None) -> None:
+    """The final model and its tokenizer as a Hugging Face folder (atomic: temp sibling, rename),
+    with the run's privacy ledger beside the weights when the run was private."""
+    with replace_dir(out) as tmp:
+        model.save_pretrained(str(tmp))
+        tokenizer.save_pretrained(str(tmp))
+        if ledger is not None:
+            write_json(tmp / "privacy.json", ledger)
+
+
+def export_release(run_dir: Path, *, private: bool) -> Path:
+    return export_run(run_dir, run_dir / "release", non_private=not private, overwrite=True)
+
+
+REFERENCE_LINE = re.compile(r"^#\s*non-private reference:\s*([0-9]+(?:\.[0-9]+)?)%\s*(.*)$", re.IGNORECASE)
+
+
+def recipe_reference(path: str | os.PathLike[str]) -> tuple[float, str] | None:
+    """(accuracy, rest of the line) from the recipe header's comment line
+    `# Non-private reference: 21.3% held-out MLM accuracy, measured ...`: the accuracy that the
+    non-private twin of the shipped recipe reached with the same compute (examples and steps).
+    None when the header has no such line."""
+    try:
+        lines = Path(path).read_text(encoding="utf-8").splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        if not line.startswith("#"):
+            break
+        match = REFERENCE_LINE.match(line.strip())
+        if match:
+            return float(match.group(1)) / 100, match.group(2).strip()
+    return None
+
+
+def print_report(result: RunResult, release: Path | None, log: Callable[[str], None]) -> None:
+    log("")
+    log(f"run {result.run_dir}: {result.steps_done} steps in {result.wall_time_s:.0f} s")
+    if result.epsilon is None:
+        log("privacy: NOT private (baseline)")
+    else:
+        log(f"privacy: epsilon = {result.epsilon:.3f} at delta = {result.delta:g}")
+    log(f"held-out MLM accuracy: {100 * result.eval_mlm_accuracy:.2f}%  (loss {result.eval_mlm_loss:.3f})")
+    rows = [
+        (
+            "this run, " + ("NOT private" if result.epsilon is None else f"DP at epsilon {result.epsilon:.2f}"),
+            result.eval_mlm_accuracy,
+            "",
+        )
+    ]
+    if result.eval_unigram_accuracy is not None:
+        rows.append(
+            (
+                f"unigram baseline ('{result.unigram_token}' everywhere)",
+                result.eval_unigram_accuracy,
+                "the most frequent train token (non-private diagnostic)",
+            )
+        )
+    if result.reference is not None:
+        rows.append(
+            ("non-private reference, same compute", result.reference[0], f"recipe header: {result.reference[1]}")
+        )
+    log("held-out masked-token accuracy, same masked positions:")
+    for name, value, note in rows:
+        log(f"  {name:<40}{100 * value:6.2f}%   {note}".rstrip())
+    if release is not None:
+        log(f"Hugging Face folder: {result.run_dir / 'hf'}; release with privacy metadata: {release}")
+    for sentence, preds in result.fill_mask:
+        log(f"  {sentence}")
+        log("    -> " + ", ".join(f"{tok} ({p:.2f})" for tok, p in preds))
