@@ -56,7 +56,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from dpbert.atomic import replace_dir, write_json
+from dpbert.config.plan import make_plan
 from dpbert.config.recipe import Recipe, load_recipe
+from dpbert.data.store import MANIFEST, TOKENIZER_DIR, prepare_store, read_manifest
+from dpbert.model import functional
+from dpbert.model.bert import BertForMaskedLM
 from dpbert.privacy.accounting import PrivacyLedger
 from dpbert.privacy.audit import audit_scores, empirical_figures
 from dpbert.privacy.canaries import (
@@ -66,6 +70,7 @@ from dpbert.privacy.canaries import (
     run_gradient_canary_audit,
 )
 from dpbert.privacy.randomness import SECRET_FILE, run_secret
+from dpbert.train.pretrain import pretrain
 
 KINDS = ("input", "gradient")
 # Gradient canaries cost one coordinate each, so more are cheap; with a recipe's small sampling
@@ -136,7 +141,6 @@ def random_canaries(
 
 def write_canary_store(base_dir: Path, out_dir: Path, canaries: np.ndarray) -> None:
     """A token store = the base store with `canaries` appended to its train split (atomic)."""
-    from dpbert.data.store import MANIFEST, TOKENIZER_DIR, read_manifest
 
     manifest = read_manifest(base_dir)
     train, evals = manifest.splits["train"], manifest.splits["eval"]
@@ -164,8 +168,6 @@ def write_canary_store(base_dir: Path, out_dir: Path, canaries: np.ndarray) -> N
 
 def pseudo_log_likelihood(hf_dir: Path, sequences: np.ndarray, *, mask_id: int, batch_size: int = 256) -> np.ndarray:
     """float64 [num]: mean over positions 1..L-2 of log p(true token | sequence with it masked)."""
-    from dpbert.model import functional
-    from dpbert.model.bert import BertForMaskedLM
 
     graphdef, params = functional.split_params(BertForMaskedLM.from_pretrained(str(hf_dir)))
     num, seq_len = sequences.shape
@@ -194,7 +196,6 @@ def pseudo_log_likelihood(hf_dir: Path, sequences: np.ndarray, *, mask_id: int, 
 
 
 def _base_store(recipe: Recipe, output_dir: Path) -> Path:
-    from dpbert.data.store import prepare_store
 
     d = recipe.data
     base = Path(d.store) if d.store else output_dir / "base_store"
@@ -268,7 +269,6 @@ def run_audit(
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
     base = _base_store(recipe, out)
-    from dpbert.data.store import read_manifest
 
     manifest = read_manifest(base)
     n_train = manifest.num_examples("train")
@@ -277,8 +277,6 @@ def run_audit(
     included = canary_inclusion(canary_key, num_canaries)
 
     if kind == "gradient":
-        from dpbert.config.plan import make_plan
-
         plan = make_plan(recipe, n_train + int(included.sum()))
         config = GradientCanaryConfig(
             schedule=plan.schedule,
@@ -305,8 +303,6 @@ def run_audit(
             _figures(result.scores, result.included, result.audit),
         )
     else:
-        from dpbert.train.pretrain import pretrain
-
         canaries = random_canaries(
             jax.random.fold_in(canary_key, _TOKENS),
             num_canaries,

@@ -45,13 +45,16 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import optax
 from jax.sharding import Mesh
 
+from dpbert.config.plan import ledger_physical_batch_sizes
 from dpbert.config.recipe import Recipe
 from dpbert.model.bert import unrolled_layers
 from dpbert.privacy import randomness
 from dpbert.privacy.documents import SEQUENCE_PADDING
 from dpbert.privacy.noise import privatize
+from dpbert.train.engine import device_batch_size
 from dpbert.train.mesh import batch_sharding, bytes_per_device, replicated
 from dpbert.train.mlm import make_masker, make_mlm_loss, max_predictions
 from dpbert.train.model_state import abstract_state, bert_config, make_optimizer, make_step, run_keys
@@ -164,8 +167,6 @@ def _physical(recipe: Recipe, stage_index: int, devices: int) -> int:
     """The trainer's compiled batch for a stage on `devices` devices: the ledger's physical batch
     for `target.dataset_size` padded to devices x micro-batch; without a dataset size, the
     expected batch padded (no Poisson margin)."""
-    from dpbert.config.plan import ledger_physical_batch_sizes
-    from dpbert.train.engine import device_batch_size
 
     mb = recipe.train.microbatch_size
     n = recipe.target.dataset_size
@@ -245,7 +246,6 @@ def compile_step(
         full = step.lower(*args_state, batch, padding, key_arg).compile()
 
         def update(params: Any, opt_state: Any, grads: Any, key: jax.Array) -> tuple[Any, Any]:
-            import optax
 
             if r.privacy.enabled:
                 grads = privatize(

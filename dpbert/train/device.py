@@ -33,8 +33,14 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 
 from dpbert.config.recipe import Recipe, TrainConfig
+from dpbert.model import functional
+from dpbert.model.bert import BertForMaskedLM
+from dpbert.privacy.clipping import grad_sum
+from dpbert.privacy.ghost_clipping import MLMGhostLoss, clipped_sum_for
+from dpbert.privacy.tuning import fastest_microbatch_size
 
 ACCELERATOR_BACKENDS = frozenset({"gpu", "cuda", "rocm", "tpu"})
 # Micro-batch sizes tried on an accelerator: large enough to fill one, small enough to compile
@@ -203,11 +209,6 @@ def _memory_budget() -> int | None:
 def _placeholder_problem(recipe: Recipe, config: Any, num_predictions: int, layer_mode: str) -> tuple[Any, Any, Any]:
     """(parameter shapes, one example's shapes, ghost-capable masked-LM loss) of the recipe's
     model in bfloat16 compute: shapes only, no weights and no data."""
-    from flax import nnx
-
-    from dpbert.model import functional
-    from dpbert.model.bert import BertForMaskedLM
-    from dpbert.privacy.ghost_clipping import MLMGhostLoss
 
     build = lambda: BertForMaskedLM(config, rngs=nnx.Rngs(0), dtype=jnp.bfloat16, remat=recipe.model.remat)  # noqa: E731
     graphdef, params = functional.split_params(nnx.eval_shape(build))
@@ -228,9 +229,6 @@ def _microbatch_seconds(
 ) -> dict[int, float]:
     """Seconds of one micro-batch of each size that fits `budget`, for the gradient sum the
     recipe's step runs (clipped when private, plain otherwise), on placeholder inputs."""
-    from dpbert.privacy.clipping import grad_sum
-    from dpbert.privacy.ghost_clipping import clipped_sum_for
-    from dpbert.privacy.tuning import fastest_microbatch_size
 
     if recipe.privacy.enabled:
         # "auto" times vmap against ghost on its own when traced; the size is chosen for ghost.

@@ -25,6 +25,7 @@ from typing import Any
 
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 
 from dpbert.privacy.sampling import DocumentBatch, PoissonBatch, document_sample, poisson_sample
@@ -177,7 +178,6 @@ def host_copy(tree: Any) -> Any:
     every process. Collective: every process must call it."""
     if jax.process_count() == 1:
         return jax.device_get(tree)
-    from jax.experimental import multihost_utils
 
     return multihost_utils.process_allgather(tree, tiled=True)
 
@@ -187,7 +187,6 @@ def any_process(flag: bool) -> bool:
     that reached only some hosts stops all of them at the same step)."""
     if jax.process_count() == 1:
         return flag
-    from jax.experimental import multihost_utils
 
     return bool(np.any(multihost_utils.process_allgather(np.asarray(flag))))
 
@@ -195,6 +194,4 @@ def any_process(flag: bool) -> bool:
 def barrier(name: str) -> None:
     """Wait until every process reaches the barrier `name` (no-op with one process)."""
     if jax.process_count() > 1:
-        from jax.experimental import multihost_utils
-
         multihost_utils.sync_global_devices(name)

@@ -74,6 +74,7 @@ import numpy as np
 import optax
 import yaml
 from flax import nnx
+from transformers import AutoTokenizer
 
 from dpbert.atomic import write_json
 from dpbert.config.finetune import (
@@ -86,6 +87,7 @@ from dpbert.config.finetune import (
     plan_dp,
     resolve_dp,
 )
+from dpbert.config.finetune_plan import describe as describe_derived
 from dpbert.config.plan import Plan
 from dpbert.data import glue
 from dpbert.data.glue_metrics import compute_metrics, predictions_from_logits
@@ -95,7 +97,15 @@ from dpbert.model.lora import add_lora, is_lora_path, merge_lora
 from dpbert.privacy.randomness import mechanism_key
 from dpbert.privacy.sampling import poisson_sample
 from dpbert.privacy.schedule import BatchSchedule, Stage
+from dpbert.release import CardInfo, Guarantee, ReleaseMetadata, write_release
 from dpbert.release.export import RANDOMNESS_FILE
+from dpbert.release.hub import resolve_pretrained
+from dpbert.release.metadata import (
+    PRIVACY_FILE,
+    guarantees_from_json,
+    noise_record,
+    read_privacy_json,
+)
 from dpbert.train import distributed
 from dpbert.train.checkpoint import CheckpointStore
 from dpbert.train.engine import (
@@ -261,12 +271,6 @@ class SourcePrivacy:
 def source_privacy(model_dir: Path, model: str) -> SourcePrivacy:
     """The source checkpoint's guarantees (its verified `privacy.json`), or, for a checkpoint
     without dpbert privacy metadata, one "pretraining" guarantee marked NOT private."""
-    from dpbert.release.metadata import (
-        PRIVACY_FILE,
-        Guarantee,
-        guarantees_from_json,
-        read_privacy_json,
-    )
 
     if not (model_dir / PRIVACY_FILE).is_file():
         # Nothing is known about how its pretraining data was used, so nothing is claimed.
@@ -316,8 +320,6 @@ def _export(
 ) -> Any:
     """Write OUT/model with `write_release`; returns its `ReleaseMetadata`. `randomness`: where
     the DP secret came from (None when non-private); `trained_parameters`: the noised coordinates."""
-    from dpbert.release import CardInfo, Guarantee, ReleaseMetadata, write_release
-    from dpbert.release.metadata import noise_record
 
     data = f"GLUE {task.glue_dir} training set ({n} examples)"
     scope = _task_scope(task)
@@ -406,9 +408,6 @@ def _trained_text(trained: Mapping[str, Any] | None, sweep: Mapping[str, Any] | 
 
 def _load_model_and_tokenizer(task: glue.GlueTask, model: str, config: FinetuneConfig) -> tuple[Any, Any, Path, bool]:
     """(model, tokenizer, model folder, whether the pooler was newly initialised)."""
-    from transformers import AutoTokenizer
-
-    from dpbert.release.hub import resolve_pretrained
 
     # A folder as is; a Hub id through the release's pull path (a privacy claim is verified first).
     model_dir = resolve_pretrained(model)
@@ -670,8 +669,6 @@ def finetune(
     encoded = {name: glue.encode(s, tokenizer, config.max_seq_len) for name, s in splits.items()}
     train = encoded["train"]
     n = len(train["labels"])
-
-    from dpbert.config.finetune_plan import describe as describe_derived
 
     derived = None
     if config.dp:

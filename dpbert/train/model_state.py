@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 from jax.sharding import Mesh
+from transformers import BertConfig
 
 from dpbert.config.recipe import Recipe
 from dpbert.model import functional
@@ -31,7 +32,6 @@ from dpbert.train.mesh import state_shardings
 def bert_config(recipe: Recipe, tokenizer_vocab_size: int | None = None) -> Any:
     """The recipe's `transformers.BertConfig` (`init_from`'s own config when given);
     `model.vocab_size: null` takes `tokenizer_vocab_size`."""
-    from transformers import BertConfig
 
     m = recipe.model
     if m.init_from is not None:

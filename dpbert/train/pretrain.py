@@ -64,6 +64,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
+from tqdm.auto import tqdm
 
 from dpbert.atomic import write_json
 from dpbert.config.plan import Plan, make_plan, public_dataset_size
@@ -537,7 +538,6 @@ def _silent(_: str) -> None:
 
 
 def _progress_bar(total: int, initial: int, *, enabled: bool) -> Any:
-    from tqdm.auto import tqdm
 
     return tqdm(
         total=total,
