@@ -125,9 +125,8 @@ from dpbert.train.mesh import make_mesh
 from dpbert.train.metrics import MetricsLog, truncate_after
 from dpbert.train.state import TrainState
 
-# fold_in constants that separate the streams of one step's randomness.
-_DROPOUT_STREAM = 1
-_SHUFFLE_STREAM = 2
+# fold_in stream of the epoch order, distinct from the step key's streams in dpbert.privacy.randomness (0-3).
+_SHUFFLE_STREAM = 4
 
 
 # ----------------------------------------------------------------------------- parameters
@@ -432,61 +431,6 @@ def _load_model_and_tokenizer(task: glue.GlueTask, model: str, config: FinetuneC
     return net, tokenizer, model_dir, fresh_pooler
 
 
-def _nonprivate_train(
-    forward: _Forward,
-    trainable: nnx.State,
-    task: glue.GlueTask,
-    train: Mapping[str, np.ndarray],
-    optim: OptimConfig,
-    run_key: jax.Array,
-    on_epoch: Callable[[int, int, nnx.State], None],
-    eval_every_epochs: int = 1,
-) -> tuple[nnx.State, int]:
-    n = len(train["labels"])
-    batch_size = min(optim.batch_size, n)
-    steps_per_epoch = math.ceil(n / batch_size)
-    total_steps = max(1, math.ceil(optim.epochs * steps_per_epoch))
-    tx = make_optimizer(optim, total_steps, trainable)
-    opt_state = tx.init(trainable)
-
-    @jax.jit
-    def step(trainable, opt_state, frozen, batch, is_padding, key):
-        def loss_fn(p):
-            logits = forward(p, frozen, batch, jax.random.fold_in(key, _DROPOUT_STREAM))
-            losses = _example_loss(task, logits, batch["labels"])
-            weights = 1.0 - is_padding.astype(jnp.float32)
-            # Non-private: the mean over the real examples of this (possibly short, last) batch.
-            return jnp.sum(losses * weights) / jnp.maximum(jnp.sum(weights), 1.0)
-
-        loss, grads = jax.value_and_grad(loss_fn)(trainable)
-        updates, opt_state = tx.update(grads, opt_state, trainable)
-        return optax.apply_updates(trainable, updates), opt_state, loss
-
-    t = 0
-    while t < total_steps:
-        epoch = t // steps_per_epoch
-        # The epoch's order comes from the key of its first step, like all randomness of a step.
-        order = np.asarray(
-            jax.random.permutation(jax.random.fold_in(jax.random.fold_in(run_key, t), _SHUFFLE_STREAM), n)
-        )
-        for b in range(steps_per_epoch):
-            if t >= total_steps:
-                break
-            chunk = order[b * batch_size : (b + 1) * batch_size]
-            is_padding = np.arange(batch_size) >= len(chunk)
-            idx = np.resize(chunk, batch_size)
-            batch = {k: v[idx] for k, v in train.items()}
-            trainable, opt_state, loss = step(
-                trainable, opt_state, forward.frozen, batch, is_padding, jax.random.fold_in(run_key, t)
-            )
-            if not np.isfinite(float(loss)):
-                raise FloatingPointError(f"non-finite training loss at step {t}: lower optim.learning_rate")
-            t += 1
-        if t < total_steps and (epoch + 1) % eval_every_epochs == 0:  # the caller evaluates the final model
-            on_epoch(epoch + 1, t, trainable)
-    return trainable, total_steps
-
-
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class _RunFiles:
     """Where a DP fine-tuning run keeps its state: checkpoints (one folder per sweep run), the
@@ -498,72 +442,109 @@ class _RunFiles:
     resume: bool
 
 
-def _dp_train(
-    forward: _Forward,
-    trainable: nnx.State,
-    task: glue.GlueTask,
-    train: Mapping[str, np.ndarray],
-    config: FinetuneConfig,
-    plan: DPPlan,
-    run_key: jax.Array,
-    on_epoch: Callable[[int, int, nnx.State], None],
-    files: _RunFiles,
-    fingerprints: dict[str, str],
-    log: Callable[[str], None],
-    optim: OptimConfig | None = None,
-    run: int = 0,
-) -> tuple[nnx.State, bool]:
-    """DP-SGD on the task data through the training engine (`dpbert.train.engine`): Poisson
-    samples of step t and the step's noise from `run_key`, one checkpoint folder per run
-    (`files.checkpoints/run-<run>`), resumed with exact replay when `files.resume`. `optim`
-    (default `config.private`, resolved): a sweep run's own learning rate; `run`: its stage in
-    the sweep's ledger. Only the trainable parameters are differentiated, clipped and noised.
-    Returns (trained parameters, whether SIGTERM stopped the run)."""
-    n = len(train["labels"])
-    optim = optim or config.private
-    tx = make_optimizer(optim, plan.steps, trainable)
-    mesh = make_mesh()
-    microbatch = min(config.microbatch_size, plan.expected_batch_size)
-    padded = device_batch_size(plan.physical_batch_size, mesh.devices.size, microbatch)
+def _nonprivate_plan(n: int, optim: OptimConfig) -> tuple[Plan, int]:
+    """(plan, steps per epoch) of non-private fine-tuning: shuffled epochs of `batch_size`
+    examples (the last batch of an epoch padded), for `epochs` epochs."""
+    batch = min(optim.batch_size, n)
+    steps_per_epoch = math.ceil(n / batch)
+    stage = Stage(
+        steps=max(1, math.ceil(optim.epochs * steps_per_epoch)), expected_batch_size=batch, noise_multiplier=0
+    )
+    return Plan(schedule=BatchSchedule(stages=(stage,)), physical_batch_sizes=(batch,), ledger=None), steps_per_epoch
+
+
+def _dp_loop_plan(plan: DPPlan, run: int) -> Plan:
+    """Run `run` of a DP plan as the engine sees it: one stage, the ledger after the runs before it."""
     stage = Stage(
         steps=plan.steps, expected_batch_size=plan.expected_batch_size, noise_multiplier=plan.noise_multiplier
     )
-    loop_plan = Plan(
+    return Plan(
         schedule=BatchSchedule(stages=(stage,)),
         physical_batch_sizes=(plan.physical_batch_size,),
         ledger=plan.ledger,
         steps_before=run * plan.steps,
     )
+
+
+def _shuffled_rows(
+    run_key: jax.Array, t: int, n: int, batch: int, steps_per_epoch: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """(rows, is_padding) of non-private step t: the epoch's order comes from the key of its first
+    step, like all randomness of a step, so a resumed run draws the same batches."""
+    first = t - t % steps_per_epoch
+    order = np.asarray(
+        jax.random.permutation(jax.random.fold_in(jax.random.fold_in(run_key, first), _SHUFFLE_STREAM), n)
+    )
+    chunk = order[(t - first) * batch : (t - first + 1) * batch]
+    return np.resize(chunk, batch), np.arange(batch) >= len(chunk)
+
+
+def _train(
+    forward: _Forward,
+    trainable: nnx.State,
+    task: glue.GlueTask,
+    train: Mapping[str, np.ndarray],
+    config: FinetuneConfig,
+    loop_plan: Plan,
+    steps_per_epoch: int,
+    run_key: jax.Array,
+    on_epoch: Callable[[int, int, nnx.State], None],
+    files: _RunFiles,
+    fingerprints: dict[str, str],
+    log: Callable[[str], None],
+    optim: OptimConfig,
+    run: int | None = None,
+) -> tuple[nnx.State, bool]:
+    """Fine-tuning through the training engine (`dpbert.train.engine`). DP (`loop_plan.ledger`
+    set): Poisson samples of step t and the step's noise from `run_key`; non-private: shuffled
+    epochs and the mean gradient. One checkpoint folder per run (`files.checkpoints/run-<run>`),
+    resumed with exact replay when `files.resume`; `optim`: the run's hyper-parameters (a sweep
+    run's own learning rate), `run`: its index in a sweep. Only the trainable parameters are
+    differentiated (and, with DP, clipped and noised). Returns (trained parameters, whether
+    SIGTERM stopped the run)."""
+    n = len(train["labels"])
+    private = loop_plan.ledger is not None
+    stage = loop_plan.schedule.stages[0]
+    steps = loop_plan.schedule.total_steps
+    physical = loop_plan.physical_batch_sizes[0]
+    tx = make_optimizer(optim, steps, trainable)
+    mesh = make_mesh()
+    microbatch = min(config.microbatch_size, stage.expected_batch_size)
+    padded = device_batch_size(physical, mesh.devices.size, microbatch)
     frozen = forward.frozen
 
     def loss_fn(params: nnx.State, example: Mapping[str, jax.Array], rng: jax.Array) -> jax.Array:
         return _example_loss(task, forward(params, frozen, example, rng), example["labels"])
 
     def sample(index: int, t: int) -> Sample:
-        drawn = poisson_sample(run_key, t, n, plan.expected_batch_size, plan.physical_batch_size)
+        if private:
+            drawn = poisson_sample(run_key, t, n, stage.expected_batch_size, physical)
+            chosen, chosen_padding = drawn.indices, drawn.is_padding
+        else:
+            chosen, chosen_padding = _shuffled_rows(run_key, t, n, physical, steps_per_epoch)
         rows = np.zeros(padded, np.int64)
-        rows[: drawn.indices.shape[0]] = drawn.indices
+        rows[: chosen.shape[0]] = chosen
         is_padding = np.ones(padded, bool)
-        is_padding[: drawn.is_padding.shape[0]] = drawn.is_padding
+        is_padding[: chosen_padding.shape[0]] = chosen_padding
         batch, is_padding = distributed.global_array(({k: v[rows] for k, v in train.items()}, is_padding), mesh)
-        return Sample(batch=batch, is_padding=is_padding, realized_size=drawn.realized_size)
+        return Sample(batch=batch, is_padding=is_padding, realized_size=int(np.sum(~is_padding)))
 
     def make_stage_step(index: int) -> Any:
         return dp_step(
             loss_fn,
             tx,
-            private=True,
-            clip_norm=config.privacy.clip_norm,
-            noise_multiplier=plan.noise_multiplier,
-            expected_batch_size=plan.expected_batch_size,
+            private=private,
+            clip_norm=config.privacy.clip_norm or 1.0,
+            noise_multiplier=stage.noise_multiplier,
+            expected_batch_size=stage.expected_batch_size,
             microbatch_size=microbatch,
             clipping="vmap",
             mesh=mesh,
             shardings=None,
         )
 
-    record = {"run": run} if plan.runs > 1 else {}
-    checkpoints = CheckpointStore(files.checkpoints / f"run-{run}", keep=2)
+    record = {} if run is None else {"run": run}
+    checkpoints = CheckpointStore(files.checkpoints / f"run-{run or 0}", keep=2)
     try:
         like = jax.eval_shape(lambda p: (p, tx.init(p)), trainable)
         state = restore_or_init(
@@ -573,16 +554,16 @@ def _dp_train(
             init=lambda: (trainable, tx.init(trainable)),
             fingerprints=fingerprints,
             plan=loop_plan,
-            total_steps=plan.steps,
+            total_steps=steps,
             log=lambda line: log(f"[{task.name}] " + (f"run {run}: " if record else "") + line),
         )
         if files.resume:  # this run's records past its checkpoint, and its final evaluation, are redone
             for path in (files.train_records, files.evals):
-                truncate_after(path, min(state.step, plan.steps - 1), record)
-        every = plan.steps_per_epoch * config.eval_every_epochs
+                truncate_after(path, min(state.step, steps - 1), record)
+        every = steps_per_epoch * config.eval_every_epochs
 
         def epoch_eval(state: TrainState) -> None:
-            on_epoch(state.step // plan.steps_per_epoch, state.step, state.params)
+            on_epoch(state.step // steps_per_epoch, state.step, state.params)
 
         metrics = MetricsLog(files.train_records) if distributed.is_primary() else None
         try:
@@ -594,8 +575,8 @@ def _dp_train(
                 sample=sample,
                 checkpointing=Checkpointing(store=checkpoints, fingerprints=fingerprints, every=every),
                 metrics=metrics,
-                log_every=max(1, plan.steps_per_epoch),
-                learning_rate=learning_rate_schedule(optim, plan.steps),
+                log_every=max(1, steps_per_epoch),
+                learning_rate=learning_rate_schedule(optim, steps),
                 hooks=(Hook(every=every, fn=epoch_eval),),
                 log=log,
                 record={"task": task.name, **record},
@@ -715,8 +696,6 @@ def finetune(
         run_key = mechanism_key(secret, f"finetune/{task.name}")
     elif noise_seed_file is not None:
         raise ValueError("--noise-seed-file: only meaningful with --dp (a non-private run has no noise)")
-    elif resume:
-        raise ValueError("--resume: only DP fine-tuning keeps checkpoints; rerun the non-private fine-tuning")
     else:
         run_key = jax.random.key(config.seed)
     fingerprints = {
@@ -761,17 +740,23 @@ def finetune(
                 return _stopped(task, files)
             trainable, final, sweep = swept
         else:
-            trainable, stopped = _dp_train(
-                forward, trainable, task, train, config, plan, run_key, evaluate_all, files, fingerprints, log
-            )
+            trainable, stopped = _train(
+                forward, trainable, task, train, config, _dp_loop_plan(plan, 0), plan.steps_per_epoch, run_key,
+                evaluate_all, files, fingerprints, log, optim,
+            )  # fmt: skip
             if stopped:
                 return _stopped(task, files)
         steps = plan.steps
         privacy = plan.summary()
     else:
-        trainable, steps = _nonprivate_train(
-            forward, trainable, task, train, optim, run_key, evaluate_all, eval_every_epochs=config.eval_every_epochs
-        )
+        loop_plan, steps_per_epoch = _nonprivate_plan(n, optim)
+        trainable, stopped = _train(
+            forward, trainable, task, train, config, loop_plan, steps_per_epoch, run_key, evaluate_all, files,
+            fingerprints, log, optim,
+        )  # fmt: skip
+        if stopped:
+            return _stopped(task, files)
+        steps = loop_plan.schedule.total_steps
 
     if sweep is None:
         final = evaluate_all(float(optim.epochs), steps, trainable)
@@ -827,9 +812,10 @@ def _dp_sweep(
         key = mechanism_key(secret, f"finetune/{task.name}/sweep/{i}")
         start = jax.tree_util.tree_map(jnp.copy, initial)
         run_on_epoch = functools.partial(evaluate_all, run=i)
-        trained, stopped = _dp_train(
-            forward, start, task, train, config, plan, key, run_on_epoch, files, fingerprints, log, optim=optim, run=i
-        )
+        trained, stopped = _train(
+            forward, start, task, train, config, _dp_loop_plan(plan, i), plan.steps_per_epoch, key, run_on_epoch,
+            files, fingerprints, log, optim, run=i,
+        )  # fmt: skip
         if stopped:
             return None
         dev = evaluate_all(float(optim.epochs), plan.steps, trained, run=i)
