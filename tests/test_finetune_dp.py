@@ -94,7 +94,7 @@ def test_trained_subsets_and_their_parameter_counts() -> None:
 
     from dpbert.model import BertForSequenceClassification
     from dpbert.model.lora import LoRAConfig, add_lora
-    from dpbert.train.finetune import count_params, trainable_filter
+    from dpbert.train.classifier import count_params, trainable_filter
 
     h, layers, ff = 32, 2, 64
     config = BertConfig(vocab_size=50, hidden_size=h, num_hidden_layers=layers, num_attention_heads=2,
@@ -127,7 +127,7 @@ def test_head_takes_larger_steps_than_the_body() -> None:
 
     from dpbert.config.finetune import OptimConfig
     from dpbert.model import BertForSequenceClassification
-    from dpbert.train.finetune import make_optimizer
+    from dpbert.train.classifier import make_optimizer
 
     config = BertConfig(vocab_size=20, hidden_size=8, num_hidden_layers=1, num_attention_heads=2,
                         intermediate_size=16, max_position_embeddings=8)  # fmt: skip

@@ -106,7 +106,7 @@ def test_exact_per_example_clipping_covers_lora_factors() -> None:
     import optax
 
     from dpbert.privacy.clipping import clipped_grad_sum
-    from dpbert.train.finetune import trainable_filter
+    from dpbert.train.classifier import trainable_filter
 
     model = _lora_model(targets=("query", "value"))
     assert isinstance(model.bert.encoder.layer.attention.self.value, LoRALinear)

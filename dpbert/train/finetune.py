@@ -61,7 +61,6 @@ import hashlib
 import json
 import math
 import os
-import tempfile
 import time
 import warnings
 from collections.abc import Callable, Iterable, Mapping
@@ -71,48 +70,44 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
-import yaml
 from flax import nnx
 from transformers import AutoTokenizer
 
 from dpbert.atomic import write_json
 from dpbert.config.finetune import (
     DEFAULT_CONFIG,
-    TRAINABLE,
     DPPlan,
     FinetuneConfig,
     OptimConfig,
-    Trainable,
     plan_dp,
     resolve_dp,
 )
 from dpbert.config.finetune_plan import describe as describe_derived
 from dpbert.config.plan import Plan
 from dpbert.data import glue
-from dpbert.data.glue_metrics import compute_metrics, predictions_from_logits
 from dpbert.model import BertForSequenceClassification
-from dpbert.model.functional import classifier_logits
-from dpbert.model.lora import add_lora, is_lora_path, merge_lora
+from dpbert.model.lora import add_lora, merge_lora
 from dpbert.privacy.randomness import mechanism_key
 from dpbert.privacy.sampling import poisson_sample
 from dpbert.privacy.schedule import BatchSchedule, Stage
-from dpbert.release import CardInfo, Guarantee, ReleaseMetadata, write_release
 from dpbert.release.export import RANDOMNESS_FILE
 from dpbert.release.hub import resolve_pretrained
-from dpbert.release.metadata import (
-    PRIVACY_FILE,
-    guarantees_from_json,
-    noise_record,
-    read_privacy_json,
-)
 from dpbert.train import distributed
 from dpbert.train.checkpoint import CheckpointStore
+from dpbert.train.classifier import (
+    Forward,
+    count_params,
+    describe_trainable,
+    evaluate,
+    example_loss,
+    learning_rate_schedule,
+    make_optimizer,
+    trainable_filter,
+)
 from dpbert.train.engine import (
     Checkpointing,
     Hook,
     Sample,
-    adamw,
     device_batch_size,
     dp_step,
     fingerprint,
@@ -121,6 +116,7 @@ from dpbert.train.engine import (
     run_loop,
     secret_for_run,
 )
+from dpbert.train.finetune_release import config_record, export_model, source_privacy, task_scope
 from dpbert.train.mesh import make_mesh
 from dpbert.train.metrics import MetricsLog, truncate_after
 from dpbert.train.state import TrainState
@@ -130,276 +126,6 @@ _SHUFFLE_STREAM = 4
 
 
 # ----------------------------------------------------------------------------- parameters
-
-
-def _is_bias(path: tuple[Any, ...]) -> bool:
-    return str(path[-1]) == "bias"
-
-
-def _is_pooler(path: tuple[Any, ...]) -> bool:
-    return len(path) > 1 and path[1] == "pooler"
-
-
-def trainable_filter(subset: Trainable, *, fresh_pooler: bool = True) -> Callable[[tuple[Any, ...], Any], bool]:
-    """nnx filter `(path, value) -> bool` selecting the parameters `subset` trains. The head is
-    the classifier, plus the whole pooler when it is `fresh_pooler` (not in the checkpoint)."""
-
-    def head(path: tuple[Any, ...]) -> bool:
-        return path[0] == "classifier" or (fresh_pooler and _is_pooler(path))
-
-    if subset == "all":
-        return lambda path, value: True
-    if subset == "bias":
-        return lambda path, value: _is_bias(path) or head(path)
-    if subset == "lora":
-        return lambda path, value: is_lora_path(path) or head(path)
-    if subset == "head":
-        return lambda path, value: head(path)
-    raise ValueError(f"trainable: expected one of {', '.join(TRAINABLE)}, got {subset!r}")
-
-
-def describe_trainable(subset: Trainable, config: FinetuneConfig, train_pooler: bool, fresh_pooler: bool) -> str:
-    """What `subset` trains, in words (printed and stored in metrics.json)."""
-    pooler = "not in the checkpoint" if fresh_pooler else "pretrained"
-    head = "classifier" + (f" + pooler ({pooler})" if train_pooler else f" (the {pooler} pooler stays frozen)")
-    if subset == "all":
-        return "all parameters"
-    if subset == "bias":
-        return f"bias terms (attention, feed-forward, LayerNorm, pooler) + {head}"
-    if subset == "lora":
-        lora = config.lora
-        return f"LoRA rank {lora.rank}, alpha {lora.alpha:g} on {', '.join(lora.targets)} of every layer + {head}"
-    return head
-
-
-def count_params(params: Any) -> int:
-    return int(sum(np.prod(x.shape) for x in jax.tree_util.tree_leaves(params)))
-
-
-def learning_rate_schedule(optim: OptimConfig, total_steps: int) -> optax.Schedule:
-    """Linear warm-up over `warmup_fraction` of `total_steps`, then linear decay to 0."""
-    warmup = int(round(optim.warmup_fraction * total_steps))
-    if warmup == 0:
-        return optax.linear_schedule(optim.learning_rate, 0.0, max(total_steps, 1))
-    return optax.join_schedules(
-        [
-            optax.linear_schedule(0.0, optim.learning_rate, max(warmup, 1)),
-            optax.linear_schedule(optim.learning_rate, 0.0, max(total_steps - warmup, 1)),
-        ],
-        boundaries=[warmup],
-    )
-
-
-def make_optimizer(optim: OptimConfig, total_steps: int, params: nnx.State) -> optax.GradientTransformation:
-    """The engine's AdamW rule (`dpbert.train.engine.adamw`: decay on every trained parameter)
-    on `learning_rate_schedule`; the head (classifier, pooler) takes `head_lr_multiplier` times
-    larger steps than the pretrained body."""
-    tx = adamw(
-        learning_rate_schedule(optim, total_steps),
-        weight_decay=optim.weight_decay,
-        b1=optim.b1,
-        b2=optim.b2,
-        eps=optim.eps,
-    )
-    if optim.head_lr_multiplier == 1.0:
-        return tx
-    head = jax.tree_util.tree_map_with_path(
-        lambda path, _: (
-            getattr(path[0], "key", None) == "classifier" or getattr(path[1], "key", None) == "pooler"
-            if len(path) > 1
-            else getattr(path[0], "key", None) == "classifier"
-        ),
-        params,
-    )
-    return optax.chain(tx, optax.masked(optax.scale(optim.head_lr_multiplier), head))
-
-
-# ----------------------------------------------------------------------------- loss / eval
-
-
-def _example_loss(task: glue.GlueTask, logits: jax.Array, label: jax.Array) -> jax.Array:
-    """Per-example loss: cross-entropy, or squared error for STS-B (as transformers' heads)."""
-    if task.is_regression:
-        return jnp.square(logits[..., 0].astype(jnp.float32) - label)
-    return optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), label)
-
-
-class _Forward:
-    """Logits as a pure function of (trainable, frozen) params; `graphdef` is static."""
-
-    def __init__(self, graphdef: nnx.GraphDef, frozen: nnx.State) -> None:
-        self.graphdef = graphdef
-        self.frozen = frozen
-        self.inference = jax.jit(lambda trainable, frozen, batch: self(trainable, frozen, batch, None))
-
-    def __call__(self, trainable: nnx.State, frozen: nnx.State, batch: Mapping[str, jax.Array], rng: jax.Array | None):
-        params = nnx.merge_state(trainable, frozen)
-        return classifier_logits(
-            self.graphdef, params, batch["input_ids"], batch["attention_mask"], batch["token_type_ids"], rng
-        )
-
-
-def evaluate(
-    forward: _Forward, trainable: nnx.State, task: glue.GlueTask, data: Mapping[str, np.ndarray], batch_size: int
-) -> dict[str, float]:
-    """Task metrics of the model on one encoded split (inference mode, no dropout)."""
-    n = len(data["labels"])
-    batch_size = min(batch_size, n)
-    outputs = []
-    for start in range(0, n, batch_size):
-        idx = np.arange(start, start + batch_size) % n  # pad the last batch to a static shape
-        batch = {k: data[k][idx] for k in ("input_ids", "attention_mask", "token_type_ids")}
-        outputs.append(np.asarray(forward.inference(trainable, forward.frozen, batch))[: min(batch_size, n - start)])
-    preds = predictions_from_logits(task, np.concatenate(outputs))
-    return compute_metrics(task, preds, data["labels"])
-
-
-# ----------------------------------------------------------------------------- release
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class SourcePrivacy:
-    """What the fine-tuned model inherits from its source checkpoint: guarantees and vocabulary."""
-
-    guarantees: tuple[Any, ...]  # dpbert.release.Guarantee
-    vocabulary_origin: str
-    vocabulary_covered: bool
-    vocabulary_learned_from_private_data: bool | None = None
-
-
-def source_privacy(model_dir: Path, model: str) -> SourcePrivacy:
-    """The source checkpoint's guarantees (its verified `privacy.json`), or, for a checkpoint
-    without dpbert privacy metadata, one "pretraining" guarantee marked NOT private."""
-
-    if not (model_dir / PRIVACY_FILE).is_file():
-        # Nothing is known about how its pretraining data was used, so nothing is claimed.
-        unknown = f"unknown (the source checkpoint {_model_name(model)} has no dpbert privacy metadata)"
-        return SourcePrivacy(
-            guarantees=(Guarantee.non_private(scope="pretraining", data=unknown),),
-            vocabulary_origin=f"Its origin is not recorded (the source checkpoint {_model_name(model)} has no "
-            "dpbert privacy metadata)",
-            vocabulary_covered=False,
-        )
-    # resolve_pretrained has verified this file: every stated epsilon is its ledger's.
-    data = read_privacy_json(model_dir)
-    vocabulary = data.get("vocabulary") or {}
-    return SourcePrivacy(
-        guarantees=tuple(guarantees_from_json(data, str(model_dir / PRIVACY_FILE))),
-        vocabulary_origin=str(vocabulary.get("origin") or "Its origin is not recorded"),
-        vocabulary_covered=vocabulary.get("covered") is True,
-        vocabulary_learned_from_private_data=vocabulary.get("learned_from_private_data"),
-    )
-
-
-def _model_name(model: str) -> str:
-    """A local folder's name, or a Hub id as is (local paths stay out of cards)."""
-    return Path(model).name if Path(model).exists() else model
-
-
-def _task_scope(task: glue.GlueTask) -> str:
-    return f"fine-tuning ({task.name})"
-
-
-def _export(
-    out: Path,
-    *,
-    net: Any,
-    tokenizer: Any,
-    task: glue.GlueTask,
-    model: str,
-    config: FinetuneConfig,
-    source: SourcePrivacy,
-    n: int,
-    plan: DPPlan | None,
-    dev: Mapping[str, Mapping[str, float]],
-    randomness: str | None,
-    trained_parameters: int,
-    trained: Mapping[str, Any] | None = None,
-    sweep: Mapping[str, Any] | None = None,
-) -> Any:
-    """Write OUT/model with `write_release`; returns its `ReleaseMetadata`. `randomness`: where
-    the DP secret came from (None when non-private); `trained_parameters`: the noised coordinates."""
-
-    data = f"GLUE {task.glue_dir} training set ({n} examples)"
-    scope = _task_scope(task)
-    task_guarantee = (
-        Guarantee.from_ledger(
-            scope=scope,
-            data=data,
-            ledger=plan.ledger.to_dict(),
-            randomness={"source": randomness},
-            noise=noise_record(plan.ledger.to_dict(), coordinates=trained_parameters),
-        )
-        if plan is not None
-        else Guarantee.non_private(scope=scope, data=data)
-    )
-    vocabulary_origin, vocabulary_covered = source.vocabulary_origin, source.vocabulary_covered
-    learned = source.vocabulary_learned_from_private_data
-    if config.tokenizer is not None:
-        vocabulary_origin = "A tokenizer given for fine-tuning (config.tokenizer); its origin is not recorded"
-        vocabulary_covered, learned = False, None
-    meta = ReleaseMetadata(
-        guarantees=(*source.guarantees, task_guarantee),
-        vocabulary_origin=vocabulary_origin,
-        vocabulary_covered=vocabulary_covered,
-        vocabulary_learned_from_private_data=learned,
-        recipe_name="finetune.yaml",
-        recipe_content=yaml.safe_dump(_config_record(config), sort_keys=False),
-    )
-    cfg = net.config
-    labels = ", ".join(task.label_names) if task.label_names else "one regression output (score 0-5)"
-    is_hub_id = not Path(model).exists()
-    info = CardInfo(
-        model_name=f"{_model_name(model).split('/')[-1]}-{task.name}" + ("-dp" if plan is not None else ""),
-        base_model=model if is_hub_id else None,
-        architecture=(
-            f"Architecture: BERT, {cfg.num_hidden_layers} layers, hidden size {cfg.hidden_size}, "
-            f"{cfg.num_attention_heads} attention heads, vocabulary {cfg.vocab_size}; classification head for "
-            f"GLUE {task.glue_dir} ({labels}), inputs up to {config.max_seq_len} tokens."
-            + _trained_text(trained, sweep)
-        ),
-        reproduce_command=(
-            f"dpbert finetune --task {task.name} --model {model if is_hub_id else 'SOURCE_MODEL_DIR'} "
-            f"--data-dir {task.glue_dir.upper()}_DIR --recipe finetune.yaml --output-dir OUT"
-        ),
-        eval_dataset=f"GLUE {task.glue_dir} dev set" + ("s" if len(dev) > 1 else ""),
-        eval_metrics={f"{split} {name}": value for split, metrics in dev.items() for name, value in metrics.items()},
-        template="bert_glue.md.j2",
-        pipeline_tag="text-classification",
-        model_index_results=tuple(
-            {
-                "task": {"type": "text-classification", "name": "Text Classification"},
-                "dataset": {
-                    "type": "nyu-mll/glue",
-                    "name": f"GLUE {task.glue_dir}",
-                    "config": task.name,
-                    "split": split,
-                },
-                "metrics": [
-                    {"type": name, "value": float(value), "name": f"{split} {name}"} for name, value in metrics.items()
-                ],
-            }
-            for split, metrics in dev.items()
-        ),
-    )
-    with tempfile.TemporaryDirectory(dir=out, prefix=".tokenizer-") as tok_dir:
-        tokenizer.save_pretrained(tok_dir)
-        write_release(out / "model", model=net, meta=meta, info=info, tokenizer_dir=tok_dir, overwrite=True)
-    return meta
-
-
-def _trained_text(trained: Mapping[str, Any] | None, sweep: Mapping[str, Any] | None) -> str:
-    """What the card says was trained (and, after a sweep, how the model was chosen)."""
-    text = ""
-    if trained is not None:
-        merged = "; LoRA merged into the weights" if trained["subset"] == "lora" else ""
-        text += (f" Fine-tuned: {trained['description']} ({trained['parameters']:,} of "
-                 f"{trained['total_parameters']:,} parameters{merged}).")  # fmt: skip
-    if sweep:
-        rates = ", ".join(format(r["learning_rate"], "g") for r in sweep["runs"])
-        text += (f" Chosen from {len(sweep['runs'])} DP runs (learning rates {rates}) by {sweep['selected_by']}; "
-                 "the task guarantee composes all of them (Papernot and Steinke 2022).")  # fmt: skip
-    return text
 
 
 # ----------------------------------------------------------------------------- training
@@ -480,7 +206,7 @@ def _shuffled_rows(
 
 
 def _train(
-    forward: _Forward,
+    forward: Forward,
     trainable: nnx.State,
     task: glue.GlueTask,
     train: Mapping[str, np.ndarray],
@@ -514,7 +240,7 @@ def _train(
     frozen = forward.frozen
 
     def loss_fn(params: nnx.State, example: Mapping[str, jax.Array], rng: jax.Array) -> jax.Array:
-        return _example_loss(task, forward(params, frozen, example, rng), example["labels"])
+        return example_loss(task, forward(params, frozen, example, rng), example["labels"])
 
     def sample(index: int, t: int) -> Sample:
         if private:
@@ -602,17 +328,6 @@ def _stopped(task: glue.GlueTask, files: _RunFiles) -> dict[str, Any]:
     return {"task": task.name, "stopped_early": True, "checkpoints": str(files.checkpoints)}
 
 
-def _config_record(config: FinetuneConfig) -> dict[str, Any]:
-    """`config` as plain YAML/JSON data (tuples as lists)."""
-
-    def plain(x: Any) -> Any:
-        if isinstance(x, dict):
-            return {k: plain(v) for k, v in x.items()}
-        return [plain(v) for v in x] if isinstance(x, list | tuple) else x
-
-    return plain(dataclasses.asdict(config))
-
-
 def finetune(
     *,
     task: str | glue.GlueTask,
@@ -643,10 +358,8 @@ def finetune(
     net, tokenizer, model_dir, fresh_pooler = _load_model_and_tokenizer(task, model, config)
     train_pooler = fresh_pooler if config.train_pooler is None else config.train_pooler
     source = source_privacy(model_dir, model)
-    if _task_scope(task) in {g.scope for g in source.guarantees}:
-        raise ValueError(
-            f"model {model}: already carries a '{_task_scope(task)}' guarantee (fine-tuned on {task.name})"
-        )
+    if task_scope(task) in {g.scope for g in source.guarantees}:
+        raise ValueError(f"model {model}: already carries a '{task_scope(task)}' guarantee (fine-tuned on {task.name})")
     encoded = {name: glue.encode(s, tokenizer, config.max_seq_len) for name, s in splits.items()}
     train = encoded["train"]
     n = len(train["labels"])
@@ -666,7 +379,7 @@ def finetune(
     graphdef, params = nnx.split(net, nnx.Param)
     trainable, frozen = params.split(trainable_filter(optim.trainable, fresh_pooler=train_pooler), ...)
     initial = jax.tree_util.tree_map(jnp.copy, trainable)  # every sweep run starts here
-    forward = _Forward(graphdef, frozen)
+    forward = Forward(graphdef, frozen)
     n_trained, n_total = count_params(trainable), count_params(frozen) + count_params(trainable)
     trained = {
         "subset": optim.trainable,
@@ -699,7 +412,7 @@ def finetune(
     else:
         run_key = jax.random.key(config.seed)
     fingerprints = {
-        "config": fingerprint(_config_record(config)),
+        "config": fingerprint(config_record(config)),
         "data": _data_fingerprint(train),
         "model": fingerprint([str(model), count_params(trainable), n_total]),
     }
@@ -762,7 +475,7 @@ def finetune(
         final = evaluate_all(float(optim.epochs), steps, trainable)
     nnx.update(net, nnx.merge_state(trainable, frozen))
     merge_lora(net)  # LoRA folded into plain weights: the export is an ordinary BERT
-    meta = _export(
+    meta = export_model(
         out, net=net, tokenizer=tokenizer, task=task, model=model, config=config, source=source, n=n, plan=plan,
         dev=final, randomness=secret.source if config.dp else None, trained_parameters=n_trained,
         trained=trained, sweep=sweep,
@@ -781,7 +494,7 @@ def finetune(
         "derived_defaults": None if derived is None else describe_derived(derived),
         "sweep": sweep,
         "release": {"folder": "model", **meta.config_copy()},
-        "config": _config_record(config),
+        "config": config_record(config),
         "seconds": round(time.time() - started, 1),
     }
     write_json(out / "metrics.json", result, sort_keys=False)
@@ -789,7 +502,7 @@ def finetune(
 
 
 def _dp_sweep(
-    forward: _Forward,
+    forward: Forward,
     initial: nnx.State,
     task: glue.GlueTask,
     train: Mapping[str, np.ndarray],
