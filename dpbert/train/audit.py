@@ -42,6 +42,7 @@ the audit's own secret and disjoint from every training key.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import json
@@ -70,6 +71,7 @@ from dpbert.privacy.canaries import (
     run_gradient_canary_audit,
 )
 from dpbert.privacy.randomness import SECRET_FILE, run_secret
+from dpbert.train.metrics import MetricsLog
 from dpbert.train.pretrain import pretrain
 
 KINDS = ("input", "gradient")
@@ -356,9 +358,8 @@ def run_audit(
             "pseudo_log_likelihood",
             _figures(scores, included, bound),
         )
-        with open(run_dir / "metrics.jsonl", "a") as f:
-            record = {**report.to_dict(), "kind": "audit", "canary_kind": kind, "step": run.steps_done}
-            f.write(json.dumps(record, sort_keys=True) + "\n")
+        with contextlib.closing(MetricsLog(run_dir / "metrics.jsonl")) as metrics:
+            metrics.write({**report.to_dict(), "kind": "audit", "canary_kind": kind, "step": run.steps_done})
     write_json(out / "audit.json", report.to_dict())
     return report
 

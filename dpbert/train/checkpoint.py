@@ -1,4 +1,4 @@
-"""Orbax checkpoints of the pretraining `TrainState`, with the privacy ledger beside the arrays.
+"""Orbax checkpoints of a `TrainState` (pretraining, fine-tuning), with the privacy ledger beside the arrays.
 
 Layout: `RUN_DIR/checkpoints/<step>/{state,meta}`; `state` holds params and optimizer
 state (Orbax standard pytree), `meta` a JSON record: format tag, completed steps, the

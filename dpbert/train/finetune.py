@@ -7,6 +7,10 @@
   task guarantee: epsilon, delta (and the rule that chose it), noise multiplier, clip norm,
   expected batch size, steps, accountant; plus `release`, the guarantees the model folder states;
 - `OUT/evals.jsonl`: one JSON line per evaluation (after every epoch and at the end);
+- `OUT/train.jsonl`: the training engine's train records (`dpbert.train.engine`: epsilon spent,
+  batch sizes, and the clipping statistics labelled non-private diagnostics);
+- `OUT/checkpoints/`: `run-<i>/` Orbax checkpoints of each run (a sweep has several) and, for DP
+  runs, the noise secret (0600; never published); `OUT/randomness.json` says where it came from;
 - `OUT/privacy.json` (DP runs): the task-data ledger, from which anyone recomputes epsilon;
 - `OUT/model/`: a dpbert release (`dpbert.release.write_release`) of the fine-tuned
   `BertForSequenceClassification` (Hugging Face names, loadable by transformers'
@@ -22,6 +26,10 @@ Guarantees of the fine-tuned model, each for its own data, never composed:
 - "fine-tuning (TASK)" for the task's training set: the task ledger of a DP run, or epsilon
   infinity for non-private fine-tuning.
 The release is private only if every guarantee is.
+
+Training runs on the engine of pretraining (`dpbert.train.engine`): mesh, checkpoints, resume
+with exact replay (`resume=True`, `dpbert finetune --resume`), SIGTERM checkpoint, non-finite
+loss stop, clipping statistics.
 
 Training. Non-private: AdamW with linear warm-up then linear decay to 0, shuffled epochs of
 `batch_size` (the usual BERT fine-tuning recipe: lr 2e-5, batch 32, 3 epochs, 10 % warm-up,
