@@ -143,7 +143,8 @@ def test_head_takes_larger_steps_than_the_body() -> None:
         assert step == pytest.approx(3e-3 if head else 1e-3, rel=1e-3), name
 
 
-def test_dp_finetune_stopped_by_sigterm_and_resumed_equals_the_uninterrupted_run(tiny: Path) -> None:
+@pytest.mark.parametrize("dp", [True, False], ids=["dp", "nonprivate"])
+def test_finetune_stopped_by_sigterm_and_resumed_equals_the_uninterrupted_run(tiny: Path, dp: bool) -> None:
     import os
     import signal
 
@@ -156,19 +157,22 @@ def test_dp_finetune_stopped_by_sigterm_and_resumed_equals_the_uninterrupted_run
 
     seed = tiny / "resume_secret.hex"
     seed.write_text("ab" * 32)
-    # n = 800, expected batch 100: 8 steps per epoch, 24 steps; evaluated after every epoch.
-    config = load_config(None, ["dp=true", "max_seq_len=12", "private.batch_size=100", "private.epochs=3",
-                                "private.learning_rate=1e-2", "privacy.clip_norm=0.1", "privacy.accountant=rdp"])  # fmt: skip
+    # n = 800, batch 100 (expected, with DP): 8 steps per epoch, 24 steps; evaluated after every epoch.
+    mode = "private" if dp else "nonprivate"
+    config = load_config(None, [f"dp={str(dp).lower()}", "max_seq_len=12", f"{mode}.batch_size=100",
+                                f"{mode}.epochs=3", f"{mode}.learning_rate=1e-2", "privacy.clip_norm=0.1",
+                                "privacy.accountant=rdp"])  # fmt: skip
     common = {"task": "sst2", "model": str(tiny / "model"), "data": tiny / "SST-2", "config": config}
-    reference = finetune(output_dir=tiny / "uninterrupted", log=lambda s: None, noise_seed_file=seed, **common)
+    secret = {"noise_seed_file": seed} if dp else {}
+    reference_dir, out = tiny / f"uninterrupted_{mode}", tiny / f"interrupted_{mode}"
+    reference = finetune(output_dir=reference_dir, log=lambda s: None, **secret, **common)
     assert reference["steps"] == 24
 
     def stop_after_first_epoch(line: str) -> None:
         if "epoch 1 step 8:" in line:  # the engine finishes the step, checkpoints and returns
             os.kill(os.getpid(), signal.SIGTERM)
 
-    out = tiny / "interrupted"
-    stopped = finetune(output_dir=out, log=stop_after_first_epoch, noise_seed_file=seed, **common)
+    stopped = finetune(output_dir=out, log=stop_after_first_epoch, **secret, **common)
     assert stopped["stopped_early"] and not (out / "model").exists()
     assert CheckpointStore(out / "checkpoints" / "run-0").latest_step() == 8
     with pytest.raises(ValueError, match="already holds checkpoints; pass --resume"):
@@ -176,11 +180,12 @@ def test_dp_finetune_stopped_by_sigterm_and_resumed_equals_the_uninterrupted_run
 
     resumed = finetune(output_dir=out, log=lambda s: None, resume=True, **common)  # the stored secret
     assert resumed["steps"] == 24 and resumed["dev"] == reference["dev"]
-    assert json.loads((out / "privacy.json").read_text()) == json.loads(
-        (tiny / "uninterrupted" / "privacy.json").read_text()
-    )
     assert resumed["privacy"] == reference["privacy"]
-    ref_weights = load_file(str(tiny / "uninterrupted" / "model" / "model.safetensors"))
+    if dp:
+        assert json.loads((out / "privacy.json").read_text()) == json.loads(
+            (reference_dir / "privacy.json").read_text()
+        )
+    ref_weights = load_file(str(reference_dir / "model" / "model.safetensors"))
     new_weights = load_file(str(out / "model" / "model.safetensors"))
     assert ref_weights.keys() == new_weights.keys()
     for name, value in ref_weights.items():
@@ -192,14 +197,30 @@ def test_dp_finetune_stopped_by_sigterm_and_resumed_equals_the_uninterrupted_run
             {k: v for k, v in json.loads(line).items() if k not in ("examples_per_s", "step_time_s")} for line in lines
         ]
 
-    assert records(out, "evals.jsonl") == records(tiny / "uninterrupted", "evals.jsonl")
-    assert records(out, "train.jsonl") == records(tiny / "uninterrupted", "train.jsonl")
+    assert records(out, "evals.jsonl") == records(reference_dir, "evals.jsonl")
+    assert records(out, "train.jsonl") == records(reference_dir, "train.jsonl")
     train = records(out, "train.jsonl")
-    assert [r["step"] for r in train] == [8, 16, 24] and all(r["epsilon"] > 0 for r in train)
+    assert [r["step"] for r in train] == [8, 16, 24]
+    if not dp:
+        assert all(r["epsilon"] is None for r in train) and not (out / "randomness.json").exists()
+        return
+    assert all(r["epsilon"] > 0 for r in train)
     assert 0.0 <= train[-1]["nonprivate_diagnostics"]["clipped_fraction"] <= 1.0
-
     # The secret lives in the checkpoint folder only: without it the run cannot be resumed.
     assert json.loads((out / "randomness.json").read_text()) == {"source": "supplied-file"}
     (out / "checkpoints" / "noise_secret").unlink()
     with pytest.raises(ValueError, match="noise_secret: missing"):
         finetune(output_dir=out, log=lambda s: None, resume=True, **common)
+
+
+def test_a_non_finite_loss_stops_fine_tuning_naming_the_step(tiny: Path) -> None:
+    from dpbert.config.finetune import load_config
+    from dpbert.train.engine import NonFiniteLossError
+    from dpbert.train.finetune import finetune
+
+    # Adam moves every weight by ~lr on the first step: 1e38 overflows float32 in the next forward pass.
+    config = load_config(None, ["max_seq_len=12", "nonprivate.batch_size=100", "nonprivate.epochs=1",
+                                "nonprivate.learning_rate=1e38", "nonprivate.warmup_fraction=0"])  # fmt: skip
+    with pytest.raises(NonFiniteLossError, match=r"non-finite training loss \S+ at step 2 .*last good checkpoint"):
+        finetune(task="sst2", model=str(tiny / "model"), data=tiny / "SST-2", output_dir=tiny / "nan", config=config,
+                 log=lambda s: None)  # fmt: skip
