@@ -125,8 +125,6 @@ def test_bad_sweep_files_name_the_field(tmp_path, bad, match):
 def test_run_sweep_writes_rows_table_and_figure(tmp_path, monkeypatch, capsys):
     """The orchestration with the training stubbed out: one row per arm with the issue's fields,
     sweep.json, sweep.png, a table; a second call reuses the finished arms."""
-    import dpbert.train.pretrain as pretrain_lib
-
     path = tmp_path / "sweep.yaml"
     path.write_text(
         json.dumps(
@@ -159,7 +157,7 @@ def test_run_sweep_writes_rows_table_and_figure(tmp_path, monkeypatch, capsys):
             unigram_token="the",
         )
 
-    monkeypatch.setattr(pretrain_lib, "pretrain", fake_pretrain)
+    monkeypatch.setattr(sweep_lib, "pretrain", fake_pretrain)
     rows = sweep_lib.run_sweep(path, tmp_path / "out", log=print)
     assert len(calls) == 5 and all(any(o.startswith("data.store=") for o in c) for c in calls)
     saved = json.loads((tmp_path / "out" / "sweep.json").read_text())["arms"]
