@@ -224,3 +224,36 @@ def test_a_non_finite_loss_stops_fine_tuning_naming_the_step(tiny: Path) -> None
     with pytest.raises(NonFiniteLossError, match=r"non-finite training loss \S+ at step 2 .*last good checkpoint"):
         finetune(task="sst2", model=str(tiny / "model"), data=tiny / "SST-2", output_dir=tiny / "nan", config=config,
                  log=lambda s: None)  # fmt: skip
+
+
+def test_dp_finetune_on_eight_devices_equals_one_device(tiny: Path) -> None:
+    """The engine's mesh: the same secret gives the same DP update on 1 and 8 (fake CPU) devices."""
+    import os
+    import subprocess
+    import sys
+
+    import numpy as np
+    from safetensors.numpy import load_file
+
+    seed = tiny / "mesh_secret.hex"
+    seed.write_text("cd" * 32)
+    script = (
+        "import sys; from pathlib import Path; from dpbert.config.finetune import load_config; "
+        "from dpbert.train.finetune import finetune; "
+        "cfg = load_config(None, ['dp=true', 'max_seq_len=12', 'private.batch_size=100', 'private.epochs=1', "
+        "'private.learning_rate=1e-2', 'privacy.clip_norm=0.1', 'privacy.accountant=rdp', 'microbatch_size=4']); "
+        "finetune(task='sst2', model=sys.argv[1], data=Path(sys.argv[2]), output_dir=sys.argv[3], config=cfg, "
+        "noise_seed_file=sys.argv[4], log=lambda s: None)"
+    )
+    weights = {}
+    for devices in (1, 8):
+        out = tiny / f"mesh_{devices}"
+        env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}", "JAX_PLATFORMS": "cpu"}
+        argv = [sys.executable, "-c", script, str(tiny / "model"), str(tiny / "SST-2"), str(out), str(seed)]
+        subprocess.run(argv, env=env, check=True, capture_output=True, timeout=600)
+        weights[devices] = load_file(str(out / "model" / "model.safetensors"))
+    for name, value in weights[1].items():  # 8 DP steps at lr 1e-2: a wrong sum or noise moves far more
+        np.testing.assert_allclose(weights[8][name], value, atol=2e-5, rtol=0, err_msg=name)
+    moved = load_file(str(tiny / "model" / "model.safetensors"))
+    shared = [k for k in moved if k in weights[1] and "bias" in k]
+    assert shared and max(float(np.max(np.abs(weights[1][k] - moved[k]))) for k in shared) > 1e-3
