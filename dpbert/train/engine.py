@@ -128,7 +128,7 @@ def dp_step(
     optimizer: optax.GradientTransformation,
     *,
     private: bool,
-    clip_norm: float,
+    clip_norm: float | None,
     noise_multiplier: float,
     expected_batch_size: int,
     microbatch_size: int,
@@ -137,7 +137,8 @@ def dp_step(
     shardings: tuple[Any, Any] | None,
 ) -> StepFn:
     """The jitted step of one stage: batch split over all mesh axes, state in `shardings`,
-    params and optimizer state donated. `clipping`: "vmap", "ghost" or "auto" (speed only)."""
+    params and optimizer state donated. `clipping`: "vmap", "ghost" or "auto" (speed only);
+    `clip_norm`, `noise_multiplier` and `clipping` only matter when `private`."""
     common: dict[str, Any] = {
         "microbatch_size": microbatch_size,
         "mesh": mesh,
@@ -275,8 +276,8 @@ def run_loop(
     `make_step(stage_index)` and `sample(stage_index, t)` are the task's; the step of stage i is
     built once. Train records (every `log_every` steps and the last) go to `metrics` (process 0
     passes it, the others None), with the fields of `record` added; `log` says where a SIGTERM
-    left the checkpoint. Returns the final (or, after
-    SIGTERM, the checkpointed) state and whether the run stopped early."""
+    left the checkpoint. Returns the final (or, after SIGTERM, the checkpointed) state and
+    whether the run stopped early."""
     total = plan.schedule.total_steps
     step_fns: dict[int, StepFn] = {}
     with StopFlag() as flag:

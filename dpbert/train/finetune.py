@@ -268,7 +268,7 @@ def _train(
             loss_fn,
             tx,
             private=private,
-            clip_norm=config.privacy.clip_norm or 1.0,
+            clip_norm=config.privacy.clip_norm,
             noise_multiplier=stage.noise_multiplier,
             expected_batch_size=stage.expected_batch_size,
             microbatch_size=microbatch,
