@@ -317,6 +317,14 @@ def _eval_assigner(corpus: Corpus, eval_fraction: float, seed: int) -> Callable[
     return eval_document_indices(num_documents, eval_fraction, seed).__contains__
 
 
+def train_texts(corpus: str, *, eval_fraction: float, seed: int, text_field: str = "text") -> Iterator[str]:
+    """The texts of the documents `prepare_store` puts in the train split (same corpus spec, same
+    held-out draw): what a vocabulary learned from the corpus may read."""
+    corpus_obj = resolve_corpus(corpus, text_field=text_field)
+    is_eval = _eval_assigner(corpus_obj, eval_fraction, seed)
+    return (text for index, text in corpus_obj.indexed_documents() if not is_eval(index))
+
+
 def _chunks(documents: Iterable[tuple[int, str]]) -> Iterator[tuple[list[int], list[str]]]:
     indices: list[int] = []
     texts: list[str] = []
