@@ -19,13 +19,14 @@ import yaml
 from dp_accounting.pld import pld_privacy_accountant
 from dp_accounting.rdp import rdp_privacy_accountant
 
+from dpbert.data.store import prepare_store
 from dpbert.data.tokenizer import bert_words, load_tokenizer, privacy_units, train_dp_wordpiece
 from dpbert.privacy.accounting import PrivacyLedger, VocabularyEvent, calibrate_vocabulary
 from dpbert.privacy.vocabulary import bounded_word_counts, select_words, unit_words
 from dpbert.release import verify_folder
 from dpbert.release.card import read_front_matter
 from dpbert.train.pretrain import dp_vocabulary_event, make_plan, pretrain
-from dpbert.train.recipe import RecipeError, load_recipe
+from dpbert.train.recipe import RecipeError, load_recipe, recipe_to_dict
 
 sys.path.insert(0, str(Path(__file__).parent))
 from tiny_run import write_recipe  # noqa: E402
@@ -127,6 +128,21 @@ def test_training_on_noisy_counts_gives_a_bert_tokenizer_with_the_public_alphabe
     assert len(load_tokenizer(tmp_path / "v")) == len(tok)
 
 
+def test_the_dp_vocabulary_recipe_is_the_tiny_recipe_with_a_dp_vocabulary() -> None:
+    tiny = recipe_to_dict(load_recipe(TINY_RECIPE))
+    dp = recipe_to_dict(load_recipe(DP_VOCAB_RECIPE))
+    changed = {k: v for k, v in dp["data"].items() if tiny["data"][k] != v}
+    assert changed == {"tokenizer": "dp", "vocab_epsilon": 2.0, "vocab_delta": 1e-7}
+    assert dp["data"]["train_vocab_size"] == 8192  # the public vocabulary's size
+    # The same total budget; N follows the store the DP vocabulary packs (fewer tokens per word).
+    assert {k: v for k, v in dp["privacy"].items() if k != "dataset_size"} == {
+        k: v for k, v in tiny["privacy"].items() if k != "dataset_size"
+    }
+    assert {k: dp[k] == tiny[k] for k in dp if k not in ("data", "privacy")} == {
+        k: True for k in dp if k not in ("data", "privacy")
+    }
+
+
 # ---- bad input
 
 
@@ -145,6 +161,8 @@ def test_bad_vocabulary_input_names_the_field(tmp_path: Path) -> None:
         train(["the nation and the congress ."] * 50, ev=small)
     with pytest.raises(ValueError, match=r"data\.train_vocab_size: expected >= 7[0-9] \(the 5 special tokens and"):
         train(["the nation and the congress ."] * 400, vocab_size=50)
+    with pytest.raises(ValueError, match=r"tokenizer 'dp': a DP vocabulary is learned by `dpbert pretrain`"):
+        prepare_store(tmp_path / "store", corpus="sotu", tokenizer="dp")
 
 
 @pytest.mark.parametrize(

@@ -21,8 +21,10 @@ seed), not on `num_proc`; the store appears at its final path complete or not at
 temporary sibling folder, then renamed); any failure, a full disk included, removes the
 temporary folder and raises an error naming the store.
 
-The vocabulary's origin is recorded (`vocab_origin`): a public vocabulary, or one trained on the
-corpus itself. A vocabulary learned from the private corpus is NOT covered by the DP guarantee.
+The vocabulary's origin is recorded (`vocab_origin`): a public vocabulary, one trained on the
+corpus itself, or the one a tokenizer folder's marker names. A vocabulary learned from the private
+corpus is NOT covered by the DP guarantee, unless it was learned under DP (`data.tokenizer: dp`,
+whose folder's marker says so and whose event is in the run's ledger).
 
 Per split, the manifest also records how many sequences a document contributes
 (`max_sequences_per_document`, `mean_sequences_per_document`, the mean over documents that
@@ -570,6 +572,11 @@ def _tokenizer_request(spec: str) -> str:
         return "public"
     if spec == "train":
         return "train"
+    if spec == "dp":
+        raise ValueError(
+            "tokenizer 'dp': a DP vocabulary is learned by `dpbert pretrain` (it draws its noise from the run's "
+            "secret and enters the run's ledger); pass the run's vocabulary/ folder here instead"
+        )
     path = Path(spec).expanduser()
     if not path.is_dir():
         raise FileNotFoundError(f"tokenizer folder {path} does not exist; expected a folder, 'public' or 'train'")
