@@ -175,6 +175,10 @@ def test_bad_vocabulary_input_names_the_field(tmp_path: Path) -> None:
         (["privacy.enabled=false"], r"'data\.tokenizer': expected not 'dp' in a non-private run"),
         (["data.tokenizer=bert-base-uncased-8k"], r"'data\.vocab_epsilon': expected null unless tokenizer is 'dp'"),
         (["data.vocab_unit=speech"], r"'data\.vocab_unit': expected one of 'document', 'sequence'"),
+        (
+            ["privacy.unit=document", "privacy.max_sequences_per_document=16", "data.vocab_unit=sequence"],
+            r"'data\.vocab_unit': expected 'document' or null when privacy\.unit is 'document'",
+        ),
     ],
 )
 def test_bad_recipe_fields_are_named(overrides: list[str], message: str) -> None:
@@ -275,3 +279,7 @@ def test_a_tiny_run_releases_one_guarantee_that_verify_recomputes(tmp_path: Path
     assert "+ 0.0001 (the DP vocabulary's word selection; the guarantee holds at the sum)" in card
     assert "learned from this data under DP (Gaussian partition selection)" in card
     assert "covered by the\n  pretraining guarantee: its epsilon and delta include the vocabulary's" in card
+    # A resumed run reuses its vocabulary (same secret, same folder) and its ledger matches the plan.
+    vocab = (run / "vocabulary" / "tokenizer.json").read_bytes()
+    again = pretrain(recipe_path, run, resume=True, progress=False, log=lambda s: None)
+    assert again.epsilon == result.epsilon and (run / "vocabulary" / "tokenizer.json").read_bytes() == vocab

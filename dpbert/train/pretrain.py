@@ -421,12 +421,14 @@ def dp_vocabulary_event(recipe: Recipe) -> VocabularyEvent | None:
     )
 
 
-def dp_vocabulary_dir(recipe: Recipe, run_dir: Path, secret: RunSecret, mechanism: str, log: Callable) -> Path:
+def dp_vocabulary_dir(
+    recipe: Recipe, run_dir: Path, secret: RunSecret, mechanism: str, *, resume: bool, log: Callable[[str], None]
+) -> Path:
     """The run's DP vocabulary folder (RUN_DIR/vocabulary), learned from the train documents with
-    the key `mechanism_key(secret, mechanism + "/vocabulary")`, or reused when a resumed run has it
-    (the same secret gives the same folder)."""
+    the key `mechanism_key(secret, mechanism + "/vocabulary")`, or reused by a resumed run (its
+    secret is the same, so is the folder)."""
     out = run_dir / "vocabulary"
-    if (out / "tokenizer.json").is_file():
+    if resume and (out / "tokenizer.json").is_file():
         return out
     d, event = recipe.data, dp_vocabulary_event(recipe)
     t0 = time.perf_counter()
@@ -438,8 +440,8 @@ def dp_vocabulary_dir(recipe: Recipe, run_dir: Path, secret: RunSecret, mechanis
         out_dir=out,
         window=dp_vocabulary_window(recipe),
         origin=(
-            f"DP WordPiece learned from {d.corpus} (epsilon {event.epsilon_share:.3g} of the total, "
-            f"selection delta {event.selection_delta:g}, unit {event.unit})"
+            f"DP WordPiece learned from {d.corpus} (Gaussian partition selection, epsilon {event.epsilon_share:.3g} "
+            f"alone, selection delta {event.selection_delta:g}, unit {event.unit}; in the run's ledger)"
         ),
     )
     log(
@@ -768,7 +770,7 @@ def pretrain(
     if recipe.data.tokenizer == "dp":  # the DP vocabulary is the run's first mechanism: it needs the secret now
         secret = _shared_secret(ckpt_dir, resume=resume, supplied=noise_seed_file, primary=primary)
         if primary:
-            dp_vocabulary_dir(recipe, run_dir, secret, mechanism, log)
+            dp_vocabulary_dir(recipe, run_dir, secret, mechanism, resume=resume, log=log)
         distributed.barrier("dpbert pretrain: DP vocabulary ready")
 
     def prepare() -> Any:

@@ -413,6 +413,12 @@ def _check_dp_vocabulary_budget(data: DataConfig, privacy: PrivacyConfig) -> Non
     if data.tokenizer != "dp":
         return
     _check(privacy.enabled, "data.tokenizer", "not 'dp' in a non-private run (privacy.enabled: false)", "dp")
+    _check(
+        not (privacy.unit == "document" and data.vocab_unit == "sequence"),
+        "data.vocab_unit",
+        "'document' or null when privacy.unit is 'document' (a window protects less than the training's unit)",
+        data.vocab_unit,
+    )
     target = privacy.target_epsilon
     _check(
         target is None or data.vocab_epsilon < target,
