@@ -21,8 +21,10 @@ seed), not on `num_proc`; the store appears at its final path complete or not at
 temporary sibling folder, then renamed); any failure, a full disk included, removes the
 temporary folder and raises an error naming the store.
 
-The vocabulary's origin is recorded (`vocab_origin`): a public vocabulary, or one trained on the
-corpus itself. A vocabulary learned from the private corpus is NOT covered by the DP guarantee.
+The vocabulary's origin is recorded (`vocab_origin`): a public vocabulary, one trained on the
+corpus itself, or the one a tokenizer folder's marker names. A vocabulary learned from the private
+corpus is NOT covered by the DP guarantee, unless it was learned under DP (`data.tokenizer: dp`,
+whose folder's marker says so and whose event is in the run's ledger).
 
 Per split, the manifest also records how many sequences a document contributes
 (`max_sequences_per_document`, `mean_sequences_per_document`, the mean over documents that
@@ -317,6 +319,14 @@ def _eval_assigner(corpus: Corpus, eval_fraction: float, seed: int) -> Callable[
     return eval_document_indices(num_documents, eval_fraction, seed).__contains__
 
 
+def train_texts(corpus: str, *, eval_fraction: float, seed: int, text_field: str = "text") -> Iterator[str]:
+    """The texts of the documents `prepare_store` puts in the train split (same corpus spec, same
+    held-out draw): what a vocabulary learned from the corpus may read."""
+    corpus_obj = resolve_corpus(corpus, text_field=text_field)
+    is_eval = _eval_assigner(corpus_obj, eval_fraction, seed)
+    return (text for index, text in corpus_obj.indexed_documents() if not is_eval(index))
+
+
 def _chunks(documents: Iterable[tuple[int, str]]) -> Iterator[tuple[list[int], list[str]]]:
     indices: list[int] = []
     texts: list[str] = []
@@ -562,6 +572,11 @@ def _tokenizer_request(spec: str) -> str:
         return "public"
     if spec == "train":
         return "train"
+    if spec == "dp":
+        raise ValueError(
+            "tokenizer 'dp': a DP vocabulary is learned by `dpbert pretrain` (it draws its noise from the run's "
+            "secret and enters the run's ledger); pass the run's vocabulary/ folder here instead"
+        )
     path = Path(spec).expanduser()
     if not path.is_dir():
         raise FileNotFoundError(f"tokenizer folder {path} does not exist; expected a folder, 'public' or 'train'")

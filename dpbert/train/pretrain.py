@@ -77,8 +77,8 @@ from jax.sharding import Mesh
 
 from dpbert.atomic import replace_dir, write_json
 from dpbert.data.masking import example_mask_key, mask_tokens
-from dpbert.data.store import TokenStore, prepare_store
-from dpbert.data.tokenizer import load_tokenizer, resolve_tokenizer
+from dpbert.data.store import TokenStore, prepare_store, train_texts
+from dpbert.data.tokenizer import load_tokenizer, resolve_tokenizer, train_dp_wordpiece
 from dpbert.model import functional
 from dpbert.model.bert import BertForMaskedLM
 from dpbert.privacy import (
@@ -96,6 +96,8 @@ from dpbert.privacy.accounting import (
     DOCUMENT_UNIT,
     MAX_TRUNCATION_DELTA_FRACTION,
     PRIVACY_UNIT,
+    VocabularyEvent,
+    calibrate_vocabulary,
     round_down_significant,
 )
 from dpbert.privacy.documents import SEQUENCE_PADDING
@@ -339,7 +341,9 @@ def public_dataset_size(recipe: Recipe, available: int) -> tuple[int, str]:
 def make_plan(recipe: Recipe, dataset_size: int, *, dataset_size_source: str = "exact") -> Plan:
     """Noise multipliers (fixed or calibrated), physical batches, and the budget check.
 
-    With `privacy.unit: document`, `dataset_size` and every batch size count documents."""
+    With `privacy.unit: document`, `dataset_size` and every batch size count documents. With
+    `data.tokenizer: dp` the vocabulary's event is in the ledger and training is calibrated for
+    what the vocabulary left of the target."""
     p = recipe.privacy
     for i, s in enumerate(recipe.schedule):
         if s.expected_batch_size > dataset_size:
@@ -358,6 +362,7 @@ def make_plan(recipe: Recipe, dataset_size: int, *, dataset_size_source: str = "
         return Plan(
             schedule=base.with_noise_multipliers([0.0] * len(base.stages)), physical_batch_sizes=physical, ledger=None
         )
+    vocabulary = dp_vocabulary_event(recipe)
     if p.noise_multiplier is None:
         schedule = calibrate_noise_multiplier(
             base,
@@ -366,6 +371,7 @@ def make_plan(recipe: Recipe, dataset_size: int, *, dataset_size_source: str = "
             delta=p.delta,
             accountant=p.accountant,
             per_stage=p.calibrate == "per_stage",
+            extra_event=None if vocabulary is None else vocabulary.event(),
         )
     else:
         schedule = base
@@ -381,9 +387,68 @@ def make_plan(recipe: Recipe, dataset_size: int, *, dataset_size_source: str = "
         dataset_size_source=dataset_size_source,
         privacy_unit=DOCUMENT_UNIT if document else PRIVACY_UNIT,
         max_sequences_per_document=p.max_sequences_per_document if document else None,
+        vocabulary=vocabulary,
     )
     ledger.check_budget()
     return Plan(schedule=schedule, physical_batch_sizes=physical, ledger=ledger)
+
+
+# ---------------------------------------------------------------------------- DP vocabulary (data.tokenizer: dp)
+
+
+def dp_vocabulary_window(recipe: Recipe) -> int | None:
+    """Words per counted unit of a DP vocabulary: None when the unit is a whole document, else
+    seq_len - 2 (a training sequence holds at most that many words: [CLS], [SEP], >= 1 token a word)."""
+    unit = recipe.data.vocab_unit or recipe.privacy.unit
+    return None if unit == "document" else recipe.data.seq_len - 2
+
+
+def dp_vocabulary_event(recipe: Recipe) -> VocabularyEvent | None:
+    """The ledger event of the recipe's DP vocabulary (None unless `data.tokenizer: dp`): a Gaussian
+    calibrated to `data.vocab_epsilon` alone at `privacy.delta`; a function of the recipe only."""
+    d = recipe.data
+    if d.tokenizer != "dp":
+        return None
+    window = dp_vocabulary_window(recipe)
+    k = d.vocab_words_per_unit or d.seq_len - 2
+    return calibrate_vocabulary(
+        epsilon=d.vocab_epsilon,
+        delta=recipe.privacy.delta,
+        selection_delta=d.vocab_delta,
+        words_per_unit=k if window is None else min(k, window),
+        unit=DOCUMENT_UNIT if window is None else f"one window of {window} words",
+        accountant=recipe.privacy.accountant,
+    )
+
+
+def dp_vocabulary_dir(
+    recipe: Recipe, run_dir: Path, secret: RunSecret, mechanism: str, *, resume: bool, log: Callable[[str], None]
+) -> Path:
+    """The run's DP vocabulary folder (RUN_DIR/vocabulary), learned from the train documents with
+    the key `mechanism_key(secret, mechanism + "/vocabulary")`, or reused by a resumed run (its
+    secret is the same, so is the folder)."""
+    out = run_dir / "vocabulary"
+    if resume and (out / "tokenizer.json").is_file():
+        return out
+    d, event = recipe.data, dp_vocabulary_event(recipe)
+    t0 = time.perf_counter()
+    tokenizer = train_dp_wordpiece(
+        train_texts(d.corpus, eval_fraction=d.eval_fraction, seed=d.split_seed),
+        event=event,
+        key=mechanism_key(secret, f"{mechanism}/vocabulary"),
+        vocab_size=d.train_vocab_size,
+        out_dir=out,
+        window=dp_vocabulary_window(recipe),
+        origin=(
+            f"DP WordPiece learned from {d.corpus} (Gaussian partition selection, epsilon {event.epsilon_share:.3g} "
+            f"alone, selection delta {event.selection_delta:g}, unit {event.unit}; in the run's ledger)"
+        ),
+    )
+    log(
+        f"vocabulary: DP WordPiece of {len(tokenizer)} tokens (noise std {event.noise_stddev:.1f} on word counts, "
+        f"threshold {event.threshold:.1f}) [{time.perf_counter() - t0:.0f} s]"
+    )
+    return out
 
 
 # ---------------------------------------------------------------------------- model, state and step
@@ -701,11 +766,20 @@ def pretrain(
     store_dir = Path(recipe.data.store) if recipe.data.store else run_dir / "store"
     t0 = time.perf_counter()
 
+    secret = None
+    if recipe.data.tokenizer == "dp":  # the DP vocabulary is the run's first mechanism: it needs the secret now
+        secret = _shared_secret(ckpt_dir, resume=resume, supplied=noise_seed_file, primary=primary)
+        if primary:
+            dp_vocabulary_dir(recipe, run_dir, secret, mechanism, resume=resume, log=log)
+        distributed.barrier("dpbert pretrain: DP vocabulary ready")
+
     def prepare() -> Any:
         return prepare_store(
             store_dir,
             corpus=recipe.data.corpus,
-            tokenizer=resolve_tokenizer(recipe.data.tokenizer),
+            tokenizer=str(run_dir / "vocabulary")
+            if recipe.data.tokenizer == "dp"
+            else resolve_tokenizer(recipe.data.tokenizer),
             seq_len=recipe.data.seq_len,
             eval_fraction=recipe.data.eval_fraction,
             seed=recipe.data.split_seed,
@@ -768,12 +842,8 @@ def pretrain(
     optimizer = make_optimizer(recipe)
     abstract = abstract_state(recipe, config, optimizer, mesh)
     graphdef = abstract.graphdef
-    secret = None
-    if recipe.privacy.enabled:
-        if primary:
-            secret = _run_secret(ckpt_dir, resume=resume, supplied=noise_seed_file)
-        distributed.barrier("dpbert pretrain: noise secret ready")
-        secret = secret or read_secret(ckpt_dir / SECRET_FILE)  # the other processes read process 0's
+    if recipe.privacy.enabled and secret is None:
+        secret = _shared_secret(ckpt_dir, resume=resume, supplied=noise_seed_file, primary=primary)
     masking_key, stage_keys = run_keys(recipe, secret, mechanism)
     masker = make_masker(
         vocab_size=vocab_size,
@@ -1079,6 +1149,15 @@ def _run_secret(ckpt_dir: Path, *, resume: bool, supplied: str | os.PathLike[str
         )
     ckpt_dir.mkdir(parents=True, exist_ok=True)
     return run_secret(path, reuse=resume, supplied=supplied)
+
+
+def _shared_secret(
+    ckpt_dir: Path, *, resume: bool, supplied: str | os.PathLike[str] | None, primary: bool
+) -> RunSecret:
+    """The run's secret on every process: process 0 draws (or reads) it, the others read process 0's."""
+    secret = _run_secret(ckpt_dir, resume=resume, supplied=supplied) if primary else None
+    distributed.barrier("dpbert pretrain: noise secret ready")
+    return secret or read_secret(ckpt_dir / SECRET_FILE)
 
 
 def run_keys(recipe: Recipe, secret: RunSecret | None, mechanism: str) -> tuple[jax.Array, tuple[jax.Array, ...]]:
