@@ -112,12 +112,12 @@ def _where(imp: Import) -> str:
 def upward_imports() -> list[str]:
     out = []
     for imp in all_imports():
-        if imp.target == "dpbert" or imp.target.startswith("dpbert."):
-            if layer(imp.target) > layer(imp.source):
-                out.append(
-                    f"{_where(imp)}: {imp.source} (layer {layer(imp.source)}) imports {imp.target} "
-                    f"(layer {layer(imp.target)}): imports must point down"
-                )
+        is_dpbert = imp.target == "dpbert" or imp.target.startswith("dpbert.")
+        if is_dpbert and layer(imp.target) > layer(imp.source):
+            out.append(
+                f"{_where(imp)}: {imp.source} (layer {layer(imp.source)}) imports {imp.target} "
+                f"(layer {layer(imp.target)}): imports must point down"
+            )
     return out
 
 
