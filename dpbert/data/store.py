@@ -208,9 +208,7 @@ class TokenStore:
             raise ValueError(f"split must be one of {list(SPLITS)}; got {split!r}")
         manifest = read_manifest(path)
         if tokenizer is not None:
-            from dpbert.data.tokenizer import (
-                tokenizer_fingerprint,
-            )  # deferred: data.tokenizer imports transformers, 4.9 s at import; reading a store needs none of it
+            from dpbert.data.tokenizer import tokenizer_fingerprint  # deferred: imports transformers, 4.9 s
 
             fingerprint = tokenizer_fingerprint(tokenizer)
             if fingerprint != manifest.tokenizer_fingerprint:
