@@ -152,11 +152,12 @@ def _jax_runs(
 
     from dpbert.model import functional
     from dpbert.model.bert import BertForMaskedLM
+    from dpbert.model.ghost import MLMGhostLoss
     from dpbert.privacy.clipping import grad_sum
     from dpbert.privacy.dp_step import make_dp_train_step, make_train_step
-    from dpbert.privacy.ghost_clipping import MLMGhostLoss, clipped_sum_for
     from dpbert.privacy.noise import privatize
     from dpbert.privacy.randomness import noise_key, step_key
+    from dpbert.privacy.tuning import clipped_sum_for
 
     net = BertForMaskedLM(bert_config(model), rngs=nnx.Rngs(0), dtype=dtype, remat=remat)
     graphdef, params = functional.split_params(net)
