@@ -207,7 +207,7 @@ def _placeholder_problem(recipe: Recipe, config: Any, num_predictions: int, laye
 
     from dpbert.model import functional
     from dpbert.model.bert import BertForMaskedLM
-    from dpbert.privacy.ghost_clipping import MLMGhostLoss
+    from dpbert.model.ghost import MLMGhostLoss
 
     build = lambda: BertForMaskedLM(config, rngs=nnx.Rngs(0), dtype=jnp.bfloat16, remat=recipe.model.remat)  # noqa: E731
     graphdef, params = functional.split_params(nnx.eval_shape(build))
@@ -229,8 +229,7 @@ def _microbatch_seconds(
     """Seconds of one micro-batch of each size that fits `budget`, for the gradient sum the
     recipe's step runs (clipped when private, plain otherwise), on placeholder inputs."""
     from dpbert.privacy.clipping import grad_sum
-    from dpbert.privacy.ghost_clipping import clipped_sum_for
-    from dpbert.privacy.tuning import fastest_microbatch_size
+    from dpbert.privacy.tuning import clipped_sum_for, fastest_microbatch_size
 
     if recipe.privacy.enabled:
         # "auto" times vmap against ghost on its own when traced; the size is chosen for ghost.

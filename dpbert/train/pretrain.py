@@ -81,6 +81,7 @@ from dpbert.data.store import TokenStore, prepare_store, train_texts
 from dpbert.data.tokenizer import load_tokenizer, resolve_tokenizer, train_dp_wordpiece
 from dpbert.model import functional
 from dpbert.model.bert import BertForMaskedLM
+from dpbert.model.ghost import MLMGhostLoss
 from dpbert.privacy import (
     BatchSchedule,
     PrivacyLedger,
@@ -102,7 +103,6 @@ from dpbert.privacy.accounting import (
 )
 from dpbert.privacy.documents import SEQUENCE_PADDING
 from dpbert.privacy.dp_step import StepFn
-from dpbert.privacy.ghost_clipping import MLMGhostLoss
 from dpbert.privacy.randomness import SECRET_FILE, RunSecret, mechanism_key, read_secret, run_secret
 from dpbert.privacy.sampling import check_document_offsets
 from dpbert.train import distributed
