@@ -75,8 +75,9 @@ def child_preset(model: str, what: str) -> dict:
 
     from dpbert.model import functional
     from dpbert.model.bert import BertForMaskedLM
+    from dpbert.model.ghost import MLMGhostLoss
     from dpbert.privacy.dp_step import make_dp_train_step, make_train_step
-    from dpbert.privacy.ghost_clipping import MLMGhostLoss, ghost_clipped_grad_sum
+    from dpbert.privacy.ghost_clipping import ghost_clipped_grad_sum
     from dpbert.privacy.noise import privatize
 
     layers, hidden, heads, vocab = PRESETS[model]

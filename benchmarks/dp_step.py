@@ -27,6 +27,7 @@ from transformers import BertConfig
 from dpbert.bench import DEFAULT_BATCH, DEFAULT_MICROBATCH
 from dpbert.model import functional
 from dpbert.model.bert import BertForMaskedLM
+from dpbert.model.ghost import MLMGhostLoss
 from dpbert.privacy import (
     default_optimizer,
     make_dp_train_step,
@@ -35,7 +36,6 @@ from dpbert.privacy import (
     poisson_sample,
     step_key,
 )
-from dpbert.privacy.ghost_clipping import MLMGhostLoss
 
 SEQ, VOCAB, MASKED = 128, 8192, 20  # 20 of 128 positions ~ 15% masking
 CONFIGS = {"tiny (2x128)": (2, 128), "mini (4x256)": (4, 256)}

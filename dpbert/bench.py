@@ -49,6 +49,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from flax import nnx
+from transformers import BertConfig
+
+from dpbert.model import functional
+from dpbert.model.bert import BertForMaskedLM
+from dpbert.model.ghost import MLMGhostLoss
+from dpbert.privacy.clipping import grad_sum
+from dpbert.privacy.dp_step import make_dp_train_step, make_train_step
+from dpbert.privacy.noise import privatize
+from dpbert.privacy.randomness import noise_key, step_key
+from dpbert.privacy.tuning import clipped_sum_for, fastest_microbatch_size, peak_bytes
+from dpbert.train.device import ACCELERATOR_MICROBATCH_SIZES, is_accelerator
 
 SEQ_LEN = 128
 PREDICTIONS = 20
@@ -74,8 +86,6 @@ def shapes(model: str) -> tuple[int, int, int]:
 
 
 def bert_config(model: str):
-    from transformers import BertConfig
-
     if model not in MODELS:
         raise ValueError(f"model: expected one of {sorted(MODELS)}, got {model!r}")
     layers, hidden, heads = MODELS[model]
@@ -148,16 +158,6 @@ def _jax_runs(
     """One step callable per dpbert row (and the noise draw alone), the reason of each row that
     does not run, each row's micro-batch size, (loss, optimizer, params) for the memory
     analysis, and each row's compile seconds (ahead-of-time lowering + XLA compilation)."""
-    from flax import nnx
-
-    from dpbert.model import functional
-    from dpbert.model.bert import BertForMaskedLM
-    from dpbert.privacy.clipping import grad_sum
-    from dpbert.privacy.dp_step import make_dp_train_step, make_train_step
-    from dpbert.privacy.ghost_clipping import MLMGhostLoss, clipped_sum_for
-    from dpbert.privacy.noise import privatize
-    from dpbert.privacy.randomness import noise_key, step_key
-
     net = BertForMaskedLM(bert_config(model), rngs=nnx.Rngs(0), dtype=dtype, remat=remat)
     graphdef, params = functional.split_params(net)
     loss = MLMGhostLoss(graphdef=graphdef, layer_mode=layer_mode)
@@ -219,9 +219,6 @@ def _fastest_microbatch(sum_fn: Callable[..., Any], params: Any, batch: int, mod
     """The fastest micro-batch size of `sum_fn` among the candidates that divide `batch` and are
     smaller than it (the whole batch is the one-pass row), on placeholders: powers of two up to
     32 on a CPU (its caches), `dpbert.train.device.ACCELERATOR_MICROBATCH_SIZES` on a GPU or TPU."""
-    from dpbert.privacy.tuning import fastest_microbatch_size
-    from dpbert.train.device import ACCELERATOR_MICROBATCH_SIZES, is_accelerator
-
     sizes = ACCELERATOR_MICROBATCH_SIZES if is_accelerator() else (1, 2, 4, 8, 16, 32)
     candidates = [m for m in sizes if m < batch and batch % m == 0] or [batch]
     example = {k: jax.ShapeDtypeStruct(v.shape[1:], v.dtype) for k, v in _data(1, model=model).items()}
@@ -239,9 +236,6 @@ def dp_step_peak_bytes(
     model: str = "tiny",
 ) -> int:
     """Compiled peak bytes of a DP step on `expected_batch` examples, minus the batch inputs."""
-    from dpbert.privacy.dp_step import make_dp_train_step
-    from dpbert.privacy.tuning import peak_bytes
-
     step = make_dp_train_step(
         loss,
         optimizer,
@@ -270,7 +264,7 @@ def torch_device() -> str | None:
     without torch. Only the driver is queried: no CUDA context is created here."""
     if importlib.util.find_spec("torch") is None:
         return None
-    import torch
+    import torch  # deferred: the optional bench extra; torch costs 1.7 s at import
 
     return "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -286,7 +280,7 @@ def _peer_rows() -> tuple[list[str], dict[str, str]]:
 
 def _torch_setup(device: str) -> str:
     """Thread count (CPU) or TF32 matmuls (CUDA) for the peers; returns the device's label."""
-    import torch
+    import torch  # deferred: the optional bench extra; torch costs 1.7 s at import
 
     if device == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
@@ -299,7 +293,7 @@ def _torch_setup(device: str) -> str:
 def _peer_step(row: str, model: str, batch: int, device: str) -> Callable[[], None]:
     """One training step of a peer row on `device` ("cpu" or "cuda"), called once already (so a
     row that cannot run fails here), on the batch `_data(batch, model=model)`."""
-    import torch
+    import torch  # deferred: the optional bench extra; torch costs 1.7 s at import
 
     np_data = _data(batch, model=model)
     seq_len = shapes(model)[1]
@@ -324,8 +318,8 @@ def _peer_step(row: str, model: str, batch: int, device: str) -> Callable[[], No
 
 
 def _torch_step(model: str, inputs: dict[str, Any], labels: Any, device: str, *, autocast: bool) -> Callable[[], None]:
-    import torch
-    from transformers import BertForMaskedLM as TorchBert
+    import torch  # deferred: the optional bench extra; torch costs 1.7 s at import
+    from transformers import BertForMaskedLM as TorchBert  # deferred: needs torch (as above)
 
     torch.manual_seed(0)
     net = TorchBert(bert_config(model)).to(device).train()
@@ -343,9 +337,9 @@ def _torch_step(model: str, inputs: dict[str, Any], labels: Any, device: str, *,
 
 
 def _opacus_step(model: str, mode: str, inputs: dict[str, Any], labels: Any, device: str) -> Callable[[], None]:
-    import torch
-    from opacus import PrivacyEngine
-    from transformers import BertForMaskedLM as TorchBert
+    import torch  # deferred: the optional bench extra; torch costs 1.7 s at import
+    from opacus import PrivacyEngine  # deferred: the optional bench extra
+    from transformers import BertForMaskedLM as TorchBert  # deferred: needs torch (as above)
 
     torch.manual_seed(0)
     net = TorchBert(bert_config(model)).to(device).train()
@@ -449,7 +443,7 @@ def _peer_rows_in_processes(
 
 def _peer_child(spec: dict[str, Any]) -> dict[str, Any]:
     """One peer row, timed in this (child) process: {"examples_per_s", "device"} or {"note"}."""
-    import torch
+    import torch  # deferred: the optional bench extra; torch costs 1.7 s at import
 
     device = spec["device"]
     label = _torch_setup(device)

@@ -472,7 +472,7 @@ def _add_account(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
     def run(args: argparse.Namespace) -> int:
-        from dpbert.privacy.report import run_account
+        from dpbert.train.privacy_report import run_account
 
         return run_account(args)
 

@@ -18,9 +18,10 @@ from transformers import BertConfig
 
 from dpbert.model import functional
 from dpbert.model.bert import BertForMaskedLM
+from dpbert.model.ghost import MLMGhostLoss
 from dpbert.privacy.clipping import clipped_grad_sum
 from dpbert.privacy.documents import SEQUENCE_PADDING, document_loss
-from dpbert.privacy.ghost_clipping import MLMGhostLoss, ghost_clipped_grad_sum, ghost_sq_norms
+from dpbert.privacy.ghost_clipping import ghost_clipped_grad_sum, ghost_sq_norms
 from dpbert.privacy.sampling import check_document_offsets, document_sample
 
 V, L, P = 61, 12, 4

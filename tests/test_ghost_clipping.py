@@ -1,5 +1,6 @@
 """Ghost clipping vs per-example gradients computed one by one (tiny BERT, padding, tied
-embeddings, token types), and the choice of path leaves the noise and the accounting alone."""
+embeddings, token types), the sequence-classification loss (every parameter) vs vmap clipping,
+and the choice of path leaves the noise and the accounting alone."""
 
 from __future__ import annotations
 
@@ -12,10 +13,12 @@ from flax import nnx
 from transformers import BertConfig
 
 from dpbert.model import functional
-from dpbert.model.bert import BertForMaskedLM
+from dpbert.model.bert import BertForMaskedLM, BertForSequenceClassification
+from dpbert.model.ghost import ClassifierGhostLoss, MLMGhostLoss
 from dpbert.privacy.clipping import clipped_grad_sum
 from dpbert.privacy.dp_step import make_dp_train_step
-from dpbert.privacy.ghost_clipping import MLMGhostLoss, clipped_sum_for, ghost_clipped_grad_sum
+from dpbert.privacy.ghost_clipping import ghost_clipped_grad_sum, ghost_sq_norms
+from dpbert.privacy.tuning import clipped_sum_for
 
 V, L, P, B, MB = 61, 12, 4, 6, 3
 
@@ -164,7 +167,7 @@ def test_clipping_method_changes_neither_noise_nor_update(setup):
 def test_bad_clipping_method_is_named():
     with pytest.raises(ValueError, match="clipping_method"):
         clipped_sum_for("fast", lambda p, e, r: 0.0)
-    with pytest.raises(ValueError, match="MLMGhostLoss"):
+    with pytest.raises(ValueError, match="GhostLoss"):
         clipped_sum_for("ghost", lambda p, e, r: 0.0)
 
 
@@ -233,3 +236,56 @@ def test_bfloat16_compute_keeps_float32_sum_and_the_clip_bound(setup):
         alone = jnp.arange(B) != i
         one, _ = run(bf16, params, batch, alone)
         assert float(optax.tree.norm(one)) <= clip_norm * (1 + 1e-5)
+
+
+@pytest.mark.parametrize("num_labels", [3, 1])  # classification (cross-entropy) and regression (squared error)
+def test_classifier_ghost_sum_equals_vmap_clipping(num_labels):
+    config = BertConfig(
+        vocab_size=V,
+        hidden_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=24,
+        max_position_embeddings=16,
+        hidden_dropout_prob=0.1,
+        attention_probs_dropout_prob=0.1,
+    )
+    model = BertForSequenceClassification(config, rngs=nnx.Rngs(1), num_labels=num_labels)
+    graphdef, params = functional.split_params(model)
+    rng = np.random.default_rng(1)
+    mask = np.ones((B, L), np.int32)
+    mask[0, 6:] = 0
+    batch = {
+        "input_ids": jnp.asarray(rng.integers(1, V, (B, L)), jnp.int32),
+        "attention_mask": jnp.asarray(mask),
+        "token_type_ids": jnp.asarray(rng.integers(0, 2, (B, L)), jnp.int32),
+    }
+    if num_labels == 1:
+        batch["labels"] = jnp.asarray(rng.normal(2.0, 1.0, B), jnp.float32)
+        loss = ClassifierGhostLoss(
+            graphdef=graphdef,
+            loss_from_logits=lambda logits, ex: jnp.square(logits[0].astype(jnp.float32) - ex["labels"]),
+        )
+    else:
+        batch["labels"] = jnp.asarray(rng.integers(0, num_labels, B), jnp.int32)
+        loss = ClassifierGhostLoss(graphdef=graphdef)
+    key = jax.random.key(11)
+    # The plain loss is that of the model's own forward (same dropout key, same sites).
+    one = jax.tree_util.tree_map(lambda x: x[0], batch)
+    logits = jax.jit(functional.classifier_logits, static_argnums=0)(
+        graphdef, params, one["input_ids"], one["attention_mask"], one["token_type_ids"], key
+    )
+    want_loss = loss.loss_from_logits(logits, one)
+    np.testing.assert_allclose(float(loss(params, one, key)), float(want_loss), rtol=1e-6)
+    is_padding = jnp.asarray([False, False, False, True, False, False])
+    keys = jax.vmap(lambda i: jax.random.fold_in(key, i))(jnp.arange(B))
+    _, sq = jax.jit(lambda p: ghost_sq_norms(loss, p, batch, keys))(params)
+    norms = np.sort(np.sqrt(np.asarray(sq))[~np.asarray(is_padding)])
+    clip_norm = float(np.mean(norms[1:3]))  # 3 of 5 real examples clipped (the vmap path counts them too)
+    kw = dict(clip_norm=clip_norm, microbatch_size=MB)
+    want, want_stats = jax.jit(lambda p: clipped_grad_sum(loss, p, batch, is_padding, key, **kw))(params)
+    got, stats = jax.jit(lambda p: ghost_clipped_grad_sum(loss, p, batch, is_padding, key, **kw))(params)
+    _assert_close(got, want)
+    assert float(stats.num_clipped) == float(want_stats.num_clipped) == 3
+    # Every parameter has a non-zero clipped gradient: pooler, classifier, tables, encoder.
+    assert all(float(jnp.abs(x).sum()) > 0 for x in jax.tree_util.tree_leaves(got))

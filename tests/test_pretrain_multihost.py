@@ -1,7 +1,9 @@
 """Two processes on 127.0.0.1 (jax.distributed over gloo, 2 CPU devices each, parameters and
 Adam state FSDP-sharded over all 4 devices, so across the processes; ghost clipping) run the
 real `dpbert pretrain` CLI and end with the parameters and ledger of one process on one device;
-process 0 alone writes metrics, privacy.json, the HF folder and the release, and prints.
+process 0 alone writes metrics, privacy.json, the HF folder and the release, and prints. Both
+privacy units: a sequence, and a whole document (each process loads its share of the sampled
+documents with their chosen sequences).
 """
 
 from __future__ import annotations
@@ -31,10 +33,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+@pytest.fixture(scope="module", params=["sequence", "document"])
+def runs(request, tmp_path_factory):
     root = tmp_path_factory.mktemp("multihost")
-    recipe = write_recipe(root, checkpoint_every=1)
+    recipe = write_recipe(root, checkpoint_every=1, unit=request.param)
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu"}
     port = free_port()
     procs = [

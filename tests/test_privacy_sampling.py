@@ -1,5 +1,7 @@
 """Poisson sampling: inclusion rate, batch-size law, determinism, hosts, truncation, scale."""
 
+import itertools
+
 import jax
 import numpy as np
 import pytest
@@ -7,6 +9,7 @@ from scipy import stats
 
 from dpbert.privacy import physical_batch_size, poisson_sample
 from dpbert.privacy.accounting import overflow_probability
+from dpbert.privacy.sampling import document_sample
 
 N, B, STEPS = 200, 20, 1500  # q = 0.1
 
@@ -122,3 +125,21 @@ def test_bad_input_names_the_field():
         poisson_sample(0, 0, 0, 1, 2)
     with pytest.raises(ValueError, match="physical_batch_size"):
         poisson_sample(0, 0, 100, 10, 0)
+
+
+def test_within_document_choice_is_a_uniform_subset_of_the_cap():
+    """Every document joins (rate 1); each of a 6-sequence document's C(6, 2) = 15 pairs is taken
+    with probability 1/15: 7,680 draws, each pair's count within 5 binomial standard deviations
+    (a choice biased to the first or last sequences, or a repeated sequence, fails)."""
+    n_docs, length, cap = 512, 6, 2
+    offsets = np.arange(n_docs + 1) * length
+    counts = dict.fromkeys(itertools.combinations(range(length), cap), 0)
+    for step in range(15):
+        b = document_sample(jax.random.key(11), step, offsets, n_docs, n_docs, cap)
+        assert b.realized_size == n_docs and not b.sequence_padding.any()
+        for row in range(n_docs):
+            pair = tuple(int(i) - int(offsets[b.documents[row]]) for i in b.indices[row])
+            counts[pair] += 1  # a KeyError means an unsorted, repeated or out-of-document choice
+    total, p = 15 * n_docs, 1 / len(counts)
+    sd = np.sqrt(total * p * (1 - p))
+    assert all(abs(c - total * p) < 5 * sd for c in counts.values()), counts

@@ -18,8 +18,9 @@ from transformers import BertConfig
 from dpbert.model import bert as bert_lib
 from dpbert.model import functional
 from dpbert.model.bert import BertEmbeddings, BertForMaskedLM, BertLayer
+from dpbert.model.ghost import MLMGhostLoss, mlm_loss_from_logits
 from dpbert.privacy.clipping import clipped_grad_sum
-from dpbert.privacy.ghost_clipping import MLMGhostLoss, ghost_clipped_grad_sum, ghost_sq_norms, mlm_loss_from_logits
+from dpbert.privacy.ghost_clipping import ghost_clipped_grad_sum, ghost_sq_norms
 
 SEQ, P, B, MB = 12, 4, 6, 3
 CONFIGS = {
@@ -62,11 +63,11 @@ def unrolled_logits(graphdef, params, example, key):
     slices of the stacked parameters, each run by the same `BertLayer` code (the reference)."""
     model = functional.merge(graphdef, params)
     ids, mask, types = (example[k][None] for k in ("input_ids", "attention_mask", "token_type_ids"))
-    x = model.bert.embeddings(ids, types, bert_lib._fold(key, bert_lib._SITE_EMBEDDINGS))
+    x = model.bert.embeddings(ids, types, bert_lib.fold_key(key, bert_lib.SITE_EMBEDDINGS))
     layer_graph, stacked = nnx.split(model.bert.encoder.layer)
     for i in range(bert_lib.num_stacked(model.bert.encoder.layer)):
         layer = nnx.merge(layer_graph, jax.tree_util.tree_map(lambda a, i=i: a[i], stacked))
-        x = layer(x, bert_lib._attention_mask(mask), bert_lib.layer_key(key, i))
+        x = layer(x, bert_lib.attention_mask_4d(mask), bert_lib.layer_key(key, i))
     x = jnp.take_along_axis(x, example["masked_positions"][None, :, None], axis=1)
     return model.cls(x, model.bert.embeddings.word_embeddings.embedding[...])[0]
 

@@ -27,9 +27,10 @@ def seed_file(root: Path) -> Path:
     return root / "noise_seed.hex"
 
 
-def write_recipe(root: Path, *, checkpoint_every: int = 2) -> Path:
+def write_recipe(root: Path, *, checkpoint_every: int = 2, unit: str = "sequence") -> Path:
     """Write ROOT/corpus (40 documents), ROOT/recipe.yaml (store in ROOT/store) and
-    `seed_file(root)`; return the recipe."""
+    `seed_file(root)`; return the recipe. `unit: document` samples and clips whole documents
+    (up to 2 sequences each; the batch then counts documents)."""
     seed_file(root).write_text("0123456789abcdef" * 4 + "\n")
     rng = random.Random(0)
     corpus = root / "corpus"
@@ -57,6 +58,8 @@ def write_recipe(root: Path, *, checkpoint_every: int = 2) -> Path:
             "accountant": "rdp",
             "noise_multiplier": 1.0,
             "target_epsilon": 30.0,
+            "unit": unit,
+            **({"max_sequences_per_document": 2} if unit == "document" else {}),
         },
         "optimizer": {"learning_rate": 1.0e-2, "warmup_steps": 0},
         "train": {

@@ -23,6 +23,8 @@ from dpbert.privacy.accounting import (
     DOCUMENT_UNIT,
     MAX_TRUNCATION_DELTA_FRACTION,
     PRIVACY_UNIT,
+    VocabularyEvent,
+    calibrate_vocabulary,
     round_down_significant,
 )
 
@@ -101,7 +103,9 @@ def public_dataset_size(recipe: Recipe, available: int) -> tuple[int, str]:
 def make_plan(recipe: Recipe, dataset_size: int, *, dataset_size_source: str = "exact") -> Plan:
     """Noise multipliers (fixed or calibrated), physical batches, and the budget check.
 
-    With `privacy.unit: document`, `dataset_size` and every batch size count documents."""
+    With `privacy.unit: document`, `dataset_size` and every batch size count documents. With
+    `data.tokenizer: dp` the vocabulary's event is in the ledger and training is calibrated for
+    what the vocabulary left of the target."""
     p = recipe.privacy
     for i, s in enumerate(recipe.schedule):
         if s.expected_batch_size > dataset_size:
@@ -120,6 +124,7 @@ def make_plan(recipe: Recipe, dataset_size: int, *, dataset_size_source: str = "
         return Plan(
             schedule=base.with_noise_multipliers([0.0] * len(base.stages)), physical_batch_sizes=physical, ledger=None
         )
+    vocabulary = dp_vocabulary_event(recipe)
     if p.noise_multiplier is None:
         schedule = calibrate_noise_multiplier(
             base,
@@ -128,6 +133,7 @@ def make_plan(recipe: Recipe, dataset_size: int, *, dataset_size_source: str = "
             delta=p.delta,
             accountant=p.accountant,
             per_stage=p.calibrate == "per_stage",
+            extra_event=None if vocabulary is None else vocabulary.event(),
         )
     else:
         schedule = base
@@ -143,6 +149,32 @@ def make_plan(recipe: Recipe, dataset_size: int, *, dataset_size_source: str = "
         dataset_size_source=dataset_size_source,
         privacy_unit=DOCUMENT_UNIT if document else PRIVACY_UNIT,
         max_sequences_per_document=p.max_sequences_per_document if document else None,
+        vocabulary=vocabulary,
     )
     ledger.check_budget()
     return Plan(schedule=schedule, physical_batch_sizes=physical, ledger=ledger)
+
+
+def dp_vocabulary_window(recipe: Recipe) -> int | None:
+    """Words per counted unit of a DP vocabulary: None when the unit is a whole document, else
+    seq_len - 2 (a training sequence holds at most that many words: [CLS], [SEP], >= 1 token a word)."""
+    unit = recipe.data.vocab_unit or recipe.privacy.unit
+    return None if unit == "document" else recipe.data.seq_len - 2
+
+
+def dp_vocabulary_event(recipe: Recipe) -> VocabularyEvent | None:
+    """The ledger event of the recipe's DP vocabulary (None unless `data.tokenizer: dp`): a Gaussian
+    calibrated to `data.vocab_epsilon` alone at `privacy.delta`; a function of the recipe only."""
+    d = recipe.data
+    if d.tokenizer != "dp":
+        return None
+    window = dp_vocabulary_window(recipe)
+    k = d.vocab_words_per_unit or d.seq_len - 2
+    return calibrate_vocabulary(
+        epsilon=d.vocab_epsilon,
+        delta=recipe.privacy.delta,
+        selection_delta=d.vocab_delta,
+        words_per_unit=k if window is None else min(k, window),
+        unit=DOCUMENT_UNIT if window is None else f"one window of {window} words",
+        accountant=recipe.privacy.accountant,
+    )

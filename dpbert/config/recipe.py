@@ -102,6 +102,14 @@ class DataConfig:
     `split_seed`) is held out: never trained on, never counted in the privacy dataset size.
     `tokenizer: train` learns a WordPiece of `train_vocab_size` from the corpus (recorded as
     NOT covered by the guarantee).
+
+    `tokenizer: dp` learns a WordPiece of `train_vocab_size` from differentially private word
+    counts of the train documents (`dpbert.privacy.vocabulary`), covered by the guarantee:
+    `vocab_epsilon` is its share of `privacy.target_epsilon` (training gets the rest),
+    `vocab_delta` the probability that any word of one unit that no other unit uses is kept (it
+    adds to the release's delta), `vocab_unit` the unit counted ("document", or "sequence": windows
+    of seq_len - 2 words, the most words a training sequence holds; null: `privacy.unit`), and
+    `vocab_words_per_unit` the most distinct words one unit adds (null: seq_len - 2).
     """
 
     corpus: str = "sotu"
@@ -113,6 +121,10 @@ class DataConfig:
     split_seed: int = 0
     train_vocab_size: int = 8192
     mask_prob: float = 0.15
+    vocab_epsilon: float | None = None
+    vocab_delta: float | None = None
+    vocab_unit: Literal["document", "sequence"] | None = None
+    vocab_words_per_unit: int | None = None
 
     def __post_init__(self) -> None:
         _check(bool(self.corpus), "corpus", "a non-empty corpus name or path", self.corpus)
@@ -123,6 +135,19 @@ class DataConfig:
         _check(self.split_seed >= 0, "split_seed", "an integer >= 0", self.split_seed)
         _check(self.train_vocab_size >= 10, "train_vocab_size", "an integer >= 10", self.train_vocab_size)
         _check(0.0 < self.mask_prob < 1.0, "mask_prob", "a probability in (0, 1)", self.mask_prob)
+        self._check_dp_vocabulary()
+
+    def _check_dp_vocabulary(self) -> None:
+        dp = self.tokenizer == "dp"
+        if not dp:
+            for name in ("vocab_epsilon", "vocab_delta", "vocab_unit", "vocab_words_per_unit"):
+                v = getattr(self, name)
+                _check(v is None, name, "null unless tokenizer is 'dp'", v)
+            return
+        e, d, k = self.vocab_epsilon, self.vocab_delta, self.vocab_words_per_unit
+        _check(e is not None and 0 < e < float("inf"), "vocab_epsilon", "a positive number with tokenizer 'dp'", e)
+        _check(d is not None and 0 < d < 1, "vocab_delta", "a probability in (0, 1) with tokenizer 'dp'", d)
+        _check(k is None or k >= 1, "vocab_words_per_unit", "a positive integer or null (seq_len - 2)", k)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -369,6 +394,7 @@ class Recipe:
             f"null or >= data.seq_len={self.data.seq_len}",
             mpe,
         )
+        _check_dp_vocabulary_budget(self.data, self.privacy)
         _check(
             self.optimizer.warmup_steps < self.total_steps,
             "optimizer.warmup_steps",
@@ -379,6 +405,27 @@ class Recipe:
     @property
     def total_steps(self) -> int:
         return sum(s.steps for s in self.schedule)
+
+
+def _check_dp_vocabulary_budget(data: DataConfig, privacy: PrivacyConfig) -> None:
+    """A DP vocabulary is a share of a private run's budget: refused for a non-private run, or
+    a share that leaves training nothing."""
+    if data.tokenizer != "dp":
+        return
+    _check(privacy.enabled, "data.tokenizer", "not 'dp' in a non-private run (privacy.enabled: false)", "dp")
+    _check(
+        not (privacy.unit == "document" and data.vocab_unit == "sequence"),
+        "data.vocab_unit",
+        "'document' or null when privacy.unit is 'document' (a window protects less than the training's unit)",
+        data.vocab_unit,
+    )
+    target = privacy.target_epsilon
+    _check(
+        target is None or data.vocab_epsilon < target,
+        "data.vocab_epsilon",
+        f"less than privacy.target_epsilon={target} (the rest is training's share)",
+        data.vocab_epsilon,
+    )
 
 
 # ---------------------------------------------------------------------------- parsing

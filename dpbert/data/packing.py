@@ -19,6 +19,7 @@ import os
 from collections.abc import Sequence
 
 import numpy as np
+import tokenizers
 
 # Set in each worker by `init_worker`; the in-process path passes a `Packer` explicitly.
 _WORKER: Packer | None = None
@@ -59,8 +60,6 @@ class Packer:
     """
 
     def __init__(self, tokenizer_json: str, *, seq_len: int, cls_id: int, sep_id: int, pad_id: int) -> None:
-        import tokenizers
-
         self._tokenizer = tokenizers.Tokenizer.from_str(tokenizer_json)
         self._tokenizer.no_truncation()
         self._tokenizer.no_padding()

@@ -21,8 +21,10 @@ seed), not on `num_proc`; the store appears at its final path complete or not at
 temporary sibling folder, then renamed); any failure, a full disk included, removes the
 temporary folder and raises an error naming the store.
 
-The vocabulary's origin is recorded (`vocab_origin`): a public vocabulary, or one trained on the
-corpus itself. A vocabulary learned from the private corpus is NOT covered by the DP guarantee.
+The vocabulary's origin is recorded (`vocab_origin`): a public vocabulary, one trained on the
+corpus itself, or the one a tokenizer folder's marker names. A vocabulary learned from the private
+corpus is NOT covered by the DP guarantee, unless it was learned under DP (`data.tokenizer: dp`,
+whose folder's marker says so and whose event is in the run's ledger).
 
 Per split, the manifest also records how many sequences a document contributes
 (`max_sequences_per_document`, `mean_sequences_per_document`, the mean over documents that
@@ -42,7 +44,6 @@ import hashlib
 import json
 import multiprocessing
 import os
-import shutil
 import tempfile
 import time
 from collections import deque
@@ -52,6 +53,7 @@ from typing import Any
 
 import numpy as np
 
+from dpbert.atomic import replace_dir
 from dpbert.data import packing
 from dpbert.data.corpus import Corpus, resolve_corpus
 
@@ -208,7 +210,7 @@ class TokenStore:
             raise ValueError(f"split must be one of {list(SPLITS)}; got {split!r}")
         manifest = read_manifest(path)
         if tokenizer is not None:
-            from dpbert.data.tokenizer import tokenizer_fingerprint
+            from dpbert.data.tokenizer import tokenizer_fingerprint  # deferred: imports transformers, 4.9 s
 
             fingerprint = tokenizer_fingerprint(tokenizer)
             if fingerprint != manifest.tokenizer_fingerprint:
@@ -317,6 +319,14 @@ def _eval_assigner(corpus: Corpus, eval_fraction: float, seed: int) -> Callable[
     return eval_document_indices(num_documents, eval_fraction, seed).__contains__
 
 
+def train_texts(corpus: str, *, eval_fraction: float, seed: int, text_field: str = "text") -> Iterator[str]:
+    """The texts of the documents `prepare_store` puts in the train split (same corpus spec, same
+    held-out draw): what a vocabulary learned from the corpus may read."""
+    corpus_obj = resolve_corpus(corpus, text_field=text_field)
+    is_eval = _eval_assigner(corpus_obj, eval_fraction, seed)
+    return (text for index, text in corpus_obj.indexed_documents() if not is_eval(index))
+
+
 def _chunks(documents: Iterable[tuple[int, str]]) -> Iterator[tuple[list[int], list[str]]]:
     indices: list[int] = []
     texts: list[str] = []
@@ -381,28 +391,6 @@ def _special_ids(tokenizer: Any) -> dict[str, int]:
     return ids
 
 
-def _remove_stale_partials(out: Path) -> None:
-    """Delete temporary folders left by a prepare of `out` whose process no longer runs (e.g. SIGKILL)."""
-    for partial in out.parent.glob(f".{out.name}.partial-*"):
-        pid_text = partial.name.rsplit("-", 1)[-1]
-        if not pid_text.isdigit() or int(pid_text) == os.getpid():
-            continue
-        try:
-            os.kill(int(pid_text), 0)
-        except ProcessLookupError:
-            shutil.rmtree(partial, ignore_errors=True)
-        except PermissionError:
-            pass  # another user's live process
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def prepare(
     corpus: Corpus,
     tokenizer: Any,
@@ -436,7 +424,7 @@ def prepare(
         raise ValueError(f"num_proc must be >= 1; got {num_proc}")
     if not getattr(tokenizer, "is_fast", False):
         raise ValueError(f"tokenizer {tokenizer_source!r} is not a fast tokenizer (tokenizer.json); prepare needs one")
-    from dpbert.data.tokenizer import tokenizer_fingerprint
+    from dpbert.data.tokenizer import tokenizer_fingerprint  # deferred: as in TokenStore.open
 
     out = Path(out_dir)
     if out.exists() and not overwrite:
@@ -456,104 +444,87 @@ def prepare(
     )
     covered = not vocab_origin.startswith("trained on")
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    _remove_stale_partials(out)
-    partial = out.parent / f".{out.name}.partial-{os.getpid()}"
-    shutil.rmtree(partial, ignore_errors=True)
     try:
-        partial.mkdir()
-        tokenizer.save_pretrained(str(partial / TOKENIZER_DIR))
-        (partial / TOKENIZER_DIR / VOCAB_ORIGIN_FILE).write_text(
-            json.dumps({"vocab_origin": vocab_origin, "vocab_covered_by_dp_guarantee": covered}, indent=2) + "\n"
-        )
-        counts = {split: {"num_examples": 0, "num_documents": 0, "num_tokens": 0} for split in SPLITS}
-        # Sequences per document, for the card's statement of what one privacy unit is.
-        max_per_document = dict.fromkeys(SPLITS, 0)
-        # Sequences of each document, in order: the document offsets of the split.
-        per_document: dict[str, list[int]] = {split: [] for split in SPLITS}
-        contributing = dict.fromkeys(SPLITS, 0)
-        corpus_hash = hashlib.sha256()
-        seen_documents = 0
-        files = {split: open(partial / f"{split}.bin", "wb") for split in SPLITS}  # noqa: SIM115 (closed below)
-        try:
-            for indices, texts, packed in _packed_chunks(_chunks(corpus.indexed_documents()), packer_args, num_proc):
-                for index, text, examples in zip(indices, texts, packed, strict=True):
-                    seen_documents += 1
-                    corpus_hash.update(text.encode("utf-8", errors="replace") + b"\0")
-                    split = "eval" if is_eval(index) else "train"
-                    _write_examples(files[split], examples, dtype)
-                    counts[split]["num_examples"] += examples.shape[0]
-                    counts[split]["num_documents"] += 1
-                    per_document[split].append(int(examples.shape[0]))
-                    counts[split]["num_tokens"] += int(np.count_nonzero(examples != special["pad_id"]))
-                    if examples.shape[0]:
-                        contributing[split] += 1
-                        max_per_document[split] = max(max_per_document[split], int(examples.shape[0]))
-            for f in files.values():
-                f.flush()
-                os.fsync(f.fileno())
-        finally:
-            for f in files.values():
-                f.close()
-        if counts["train"]["num_examples"] == 0:
-            raise ValueError(f"corpus {corpus.spec!r} ({corpus.location}) gave no training example")
-        if eval_fraction > 0 and counts["eval"]["num_examples"] == 0:
-            raise ValueError(
-                f"corpus {corpus.spec!r}: no held-out document fell in the eval split (eval_fraction={eval_fraction}, "
-                f"seed={seed}, {seen_documents} documents); raise eval_fraction or change seed"
+        with replace_dir(out) as partial:
+            tokenizer.save_pretrained(str(partial / TOKENIZER_DIR))
+            (partial / TOKENIZER_DIR / VOCAB_ORIGIN_FILE).write_text(
+                json.dumps({"vocab_origin": vocab_origin, "vocab_covered_by_dp_guarantee": covered}, indent=2) + "\n"
             )
-        manifest = StoreManifest(
-            format_version=FORMAT_VERSION,
-            seq_len=seq_len,
-            dtype=str(dtype.newbyteorder("=")),
-            vocab_size=vocab_size,
-            special_token_ids=tuple(sorted(set(tokenizer.all_special_ids))),
-            tokenizer_fingerprint=tokenizer_fingerprint(tokenizer),
-            tokenizer_source=tokenizer_source,
-            vocab_origin=vocab_origin,
-            vocab_covered_by_dp_guarantee=covered,
-            source=corpus.description,
-            corpus_spec=corpus.spec,
-            corpus_sha256=corpus_hash.hexdigest(),
-            num_documents=seen_documents,
-            eval_fraction=eval_fraction,
-            seed=seed,
-            splits={
-                split: SplitInfo(
-                    file=f"{split}.bin",
-                    **counts[split],
-                    max_sequences_per_document=max_per_document[split],
-                    mean_sequences_per_document=(
-                        counts[split]["num_examples"] / contributing[split] if contributing[split] else 0.0
-                    ),
+            counts = {split: {"num_examples": 0, "num_documents": 0, "num_tokens": 0} for split in SPLITS}
+            # Sequences per document, for the card's statement of what one privacy unit is.
+            max_per_document = dict.fromkeys(SPLITS, 0)
+            # Sequences of each document, in order: the document offsets of the split.
+            per_document: dict[str, list[int]] = {split: [] for split in SPLITS}
+            contributing = dict.fromkeys(SPLITS, 0)
+            corpus_hash = hashlib.sha256()
+            seen_documents = 0
+            files = {split: open(partial / f"{split}.bin", "wb") for split in SPLITS}  # noqa: SIM115 (closed below)
+            try:
+                for indices, texts, packed in _packed_chunks(
+                    _chunks(corpus.indexed_documents()), packer_args, num_proc
+                ):
+                    for index, text, examples in zip(indices, texts, packed, strict=True):
+                        seen_documents += 1
+                        corpus_hash.update(text.encode("utf-8", errors="replace") + b"\0")
+                        split = "eval" if is_eval(index) else "train"
+                        _write_examples(files[split], examples, dtype)
+                        counts[split]["num_examples"] += examples.shape[0]
+                        counts[split]["num_documents"] += 1
+                        per_document[split].append(int(examples.shape[0]))
+                        counts[split]["num_tokens"] += int(np.count_nonzero(examples != special["pad_id"]))
+                        if examples.shape[0]:
+                            contributing[split] += 1
+                            max_per_document[split] = max(max_per_document[split], int(examples.shape[0]))
+                for f in files.values():
+                    f.flush()
+            finally:
+                for f in files.values():
+                    f.close()
+            if counts["train"]["num_examples"] == 0:
+                raise ValueError(f"corpus {corpus.spec!r} ({corpus.location}) gave no training example")
+            if eval_fraction > 0 and counts["eval"]["num_examples"] == 0:
+                raise ValueError(
+                    f"corpus {corpus.spec!r}: no held-out document fell in the eval split (eval_fraction={eval_fraction}, "
+                    f"seed={seed}, {seen_documents} documents); raise eval_fraction or change seed"
                 )
-                for split in SPLITS
-            },
-            packing=f"[CLS] up to {seq_len - 2} consecutive tokens of one document [SEP], then [PAD]",
-            request=dict(request or {}),
-            **special,
-        )
-        for split in SPLITS:
-            offsets = np.concatenate([[0], np.cumsum(np.asarray(per_document[split], dtype=np.int64))])
-            np.save(partial / f"{split}{DOCUMENTS_SUFFIX}", offsets.astype(np.int64))
-        (partial / MANIFEST).write_text(json.dumps(manifest.to_dict(), indent=2) + "\n")
-        _fsync_dir(partial)
-        if out.exists():
-            # Replace an old store: move it aside first, so `out` is always a whole store or absent.
-            old = out.parent / f".{out.name}.old-{os.getpid()}"
-            os.rename(out, old)
-            os.rename(partial, out)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.rename(partial, out)
-        _fsync_dir(out.parent)
+            manifest = StoreManifest(
+                format_version=FORMAT_VERSION,
+                seq_len=seq_len,
+                dtype=str(dtype.newbyteorder("=")),
+                vocab_size=vocab_size,
+                special_token_ids=tuple(sorted(set(tokenizer.all_special_ids))),
+                tokenizer_fingerprint=tokenizer_fingerprint(tokenizer),
+                tokenizer_source=tokenizer_source,
+                vocab_origin=vocab_origin,
+                vocab_covered_by_dp_guarantee=covered,
+                source=corpus.description,
+                corpus_spec=corpus.spec,
+                corpus_sha256=corpus_hash.hexdigest(),
+                num_documents=seen_documents,
+                eval_fraction=eval_fraction,
+                seed=seed,
+                splits={
+                    split: SplitInfo(
+                        file=f"{split}.bin",
+                        **counts[split],
+                        max_sequences_per_document=max_per_document[split],
+                        mean_sequences_per_document=(
+                            counts[split]["num_examples"] / contributing[split] if contributing[split] else 0.0
+                        ),
+                    )
+                    for split in SPLITS
+                },
+                packing=f"[CLS] up to {seq_len - 2} consecutive tokens of one document [SEP], then [PAD]",
+                request=dict(request or {}),
+                **special,
+            )
+            for split in SPLITS:
+                offsets = np.concatenate([[0], np.cumsum(np.asarray(per_document[split], dtype=np.int64))])
+                np.save(partial / f"{split}{DOCUMENTS_SUFFIX}", offsets.astype(np.int64))
+            (partial / MANIFEST).write_text(json.dumps(manifest.to_dict(), indent=2) + "\n")
     except OSError as err:
-        shutil.rmtree(partial, ignore_errors=True)
         reason = "the disk is full" if err.errno == errno.ENOSPC else str(err)
         raise OSError(err.errno, f"writing token store {out} failed: {reason}; nothing was left behind") from err
-    except BaseException:
-        shutil.rmtree(partial, ignore_errors=True)
-        raise
     return manifest
 
 
@@ -562,6 +533,11 @@ def _tokenizer_request(spec: str) -> str:
         return "public"
     if spec == "train":
         return "train"
+    if spec == "dp":
+        raise ValueError(
+            "tokenizer 'dp': a DP vocabulary is learned by `dpbert pretrain` (it draws its noise from the run's "
+            "secret and enters the run's ledger); pass the run's vocabulary/ folder here instead"
+        )
     path = Path(spec).expanduser()
     if not path.is_dir():
         raise FileNotFoundError(f"tokenizer folder {path} does not exist; expected a folder, 'public' or 'train'")
@@ -599,7 +575,12 @@ def prepare_store(
     An existing store whose recorded request matches is returned as is (not rebuilt); one that
     differs raises ValueError naming the differing fields unless overwrite=True.
     """
-    from dpbert.data.tokenizer import load_tokenizer, public_vocab_dir, tokenizer_fingerprint, train_wordpiece
+    from dpbert.data.tokenizer import (  # deferred: as in TokenStore.open
+        load_tokenizer,
+        public_vocab_dir,
+        tokenizer_fingerprint,
+        train_wordpiece,
+    )
 
     if train_vocab_size < 10:
         raise ValueError(f"train_vocab_size must be >= 10; got {train_vocab_size}")
@@ -677,7 +658,7 @@ def prepare_store(
 def prepare_main(args: Any) -> int:
     """`dpbert prepare`: build (or reuse) a store and print its summary. The tokenizer is named as
     in a recipe's `data.tokenizer` (a public subset such as "bert-base-uncased-8k" included)."""
-    from dpbert.data.tokenizer import resolve_tokenizer  # tokenizer imports transformers: only when run
+    from dpbert.data.tokenizer import resolve_tokenizer  # deferred: as in TokenStore.open
 
     start = time.perf_counter()
     manifest = prepare_store(

@@ -18,6 +18,11 @@ Guarantees:
   i.e. by frequency there). It depends on nothing but that public file (never on a corpus being
   trained on), so it is covered by the DP guarantee like the full vocabulary; text the full vocabulary
   tokenizes without [UNK] stays [UNK]-free (longer words just split into more pieces).
+- ``train_dp_wordpiece`` learns a WordPiece from the words that pass Gaussian partition selection
+  (`dpbert.privacy.vocabulary`) over the units' bounded word counts, with their noisy counts as
+  frequencies: the folder depends on the private text only through that DP release (and on public
+  constants: BERT's normalizer and pre-tokenizer, the printable ASCII alphabet), so it is covered by
+  the guarantee its `VocabularyEvent` states. Its marker file records that origin.
 """
 
 from __future__ import annotations
@@ -27,13 +32,19 @@ import json
 import os
 import re
 import shutil
+import string
 import tempfile
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from importlib.resources import files
 from pathlib import Path
 
+import jax
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 from transformers import AutoTokenizer, BertTokenizer, PreTrainedTokenizerBase
+
+from dpbert.data.store import VOCAB_ORIGIN_FILE
+from dpbert.privacy.accounting import VocabularyEvent
+from dpbert.privacy.vocabulary import bounded_word_counts, select_words
 
 SPECIAL_TOKENS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
 # Package data of dpbert.data, next to its NOTICE (Apache-2.0, Google's BERT release).
@@ -43,6 +54,9 @@ PUBLIC_VOCAB_MD5 = "64800d5d8528ce344256daf115d4965e"
 PUBLIC_SUBSET_PATTERN = re.compile(r"^(?:bert-base-uncased|public)-(\d+)(k?)$")
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+# The alphabet a DP vocabulary always holds (public: never read from the corpus), so that
+# English text outside the selected words splits into characters rather than [UNK].
+PUBLIC_ALPHABET = tuple(string.ascii_lowercase + string.digits + string.punctuation)
 
 
 def load_tokenizer(path: str | os.PathLike[str]) -> PreTrainedTokenizerBase:
@@ -105,6 +119,82 @@ def train_wordpiece(
     return load_tokenizer(out_dir)
 
 
+def bert_words(text: str) -> list[str]:
+    """`text` as BERT's WordPiece sees it before splitting: lowercased, normalized, cut into words
+    and single punctuation marks."""
+    normalized = normalizers.BertNormalizer(lowercase=True, strip_accents=None).normalize_str(text)
+    return [word for word, _ in pre_tokenizers.BertPreTokenizer().pre_tokenize_str(normalized)]
+
+
+def privacy_units(texts: Iterable[str], window: int | None) -> Iterator[list[str]]:
+    """The words of each unit: one unit per text (`window` None: a document), or each text cut
+    into consecutive windows of `window` words (the last one shorter); texts without words give none."""
+    for text in texts:
+        words = bert_words(text)
+        if window is None:
+            if words:
+                yield words
+        else:
+            for start in range(0, len(words), window):
+                yield words[start : start + window]
+
+
+def train_dp_wordpiece(
+    texts: Iterable[str],
+    *,
+    event: VocabularyEvent,
+    key: jax.Array,
+    vocab_size: int,
+    out_dir: str | os.PathLike[str],
+    window: int | None,
+    origin: str,
+    model_max_length: int = 512,
+) -> PreTrainedTokenizerBase:
+    """A BERT WordPiece tokenizer (lowercase) learned from DP word counts of `texts`, saved in `out_dir`.
+
+    Units are `privacy_units(texts, window)`; each adds at most `event.words_per_unit` distinct words;
+    the words whose noisy count passes `event.threshold` (noise from `key`, which must derive from
+    the run's secret) are the training words, their noisy counts (rounded) their frequencies, and
+    `PUBLIC_ALPHABET` is always in the alphabet. `origin` is recorded in the folder's marker file.
+    Errors name the recipe fields: an empty corpus (data.corpus), no word kept (data.vocab_epsilon),
+    a size that cannot hold the special tokens and the alphabet (data.train_vocab_size)."""
+    counts, units = bounded_word_counts(privacy_units(texts, window), event.words_per_unit)
+    if units == 0:
+        raise ValueError("data.corpus: the train documents hold no words; a DP vocabulary needs text to count")
+    kept = select_words(counts, event, key)
+    if not kept:
+        raise ValueError(
+            f"data.vocab_epsilon: no word's noisy count passed the selection threshold {event.threshold:.1f} "
+            f"(noise std {event.noise_stddev:.1f}, {units} units): the budget share is too small for this corpus; "
+            "raise data.vocab_epsilon or data.vocab_delta, lower data.vocab_words_per_unit, or count more units"
+        )
+    alphabet = sorted(set(PUBLIC_ALPHABET).union(*map(set, kept)))
+    needed = len(SPECIAL_TOKENS) + len(alphabet)
+    if vocab_size < needed:
+        raise ValueError(
+            f"data.train_vocab_size: expected >= {needed} (the {len(SPECIAL_TOKENS)} special tokens and the "
+            f"{len(alphabet)} characters of the alphabet), got {vocab_size}"
+        )
+
+    def frequencies() -> Iterator[str]:
+        for word, count in kept.items():
+            yield " ".join([word] * max(1, round(count)))
+
+    backend = _bert_backend(models.WordPiece(unk_token="[UNK]"), lowercase=True)
+    trainer = trainers.WordPieceTrainer(
+        vocab_size=vocab_size,
+        min_frequency=1,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=alphabet,
+        limit_alphabet=len(alphabet),
+    )
+    backend.train_from_iterator(frequencies(), trainer, length=len(kept))
+    tokenizer = _bert_tokenizer(backend, lowercase=True, model_max_length=model_max_length)
+    marker = {"vocab_origin": origin, "vocab_covered_by_dp_guarantee": True, "selected_words": len(kept)}
+    _save_atomically(tokenizer, Path(out_dir), extra={VOCAB_ORIGIN_FILE: json.dumps(marker, indent=2) + "\n"})
+    return load_tokenizer(out_dir)
+
+
 def _bert_backend(model: models.Model, *, lowercase: bool) -> Tokenizer:
     """A ``tokenizers`` pipeline around `model` with BERT's normalizer and pre-tokenizer."""
     backend = Tokenizer(model)
@@ -131,11 +221,15 @@ def _bert_tokenizer(backend: Tokenizer, *, lowercase: bool, model_max_length: in
     )
 
 
-def _save_atomically(tokenizer: PreTrainedTokenizerBase, out_dir: Path) -> None:
+def _save_atomically(
+    tokenizer: PreTrainedTokenizerBase, out_dir: Path, *, extra: Mapping[str, str] | None = None
+) -> None:
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".tmp", dir=out_dir.parent))
     try:
         tokenizer.save_pretrained(str(tmp))
+        for name, text in (extra or {}).items():
+            (tmp / name).write_text(text, encoding="utf-8")
         # vocab.txt, id order: the format every BERT tool (and a slow BertTokenizer) reads.
         vocab = sorted(tokenizer.get_vocab().items(), key=lambda item: item[1])
         (tmp / "vocab.txt").write_text("".join(f"{token}\n" for token, _ in vocab), encoding="utf-8")

@@ -28,6 +28,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from transformers import AutoTokenizer
 
 from dpbert.model import BertForMaskedLM, mlm_logits, split_params
 from dpbert.release import resolve_pretrained, verify_folder
@@ -181,8 +182,6 @@ class FillMaskModel:
         A folder that claims privacy must verify (ValueError listing the problems otherwise); one
         that claims nothing loads as non-private.
         """
-        from transformers import AutoTokenizer
-
         folder = resolve_pretrained(source, verify=False)
         privacy = verified_privacy(folder)
         return cls(

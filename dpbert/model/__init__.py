@@ -9,7 +9,7 @@ from dpbert.model.bert import (
     SequenceClassifierOutput,
 )
 from dpbert.model.functional import classifier_logits, hidden_states, merge, mlm_logits, split_params
-from dpbert.model.hf_io import load_config, resolve_model_path
+from dpbert.model.hf_io import load_config
 
 __all__ = [
     "BaseModelOutput",
@@ -23,6 +23,5 @@ __all__ = [
     "load_config",
     "merge",
     "mlm_logits",
-    "resolve_model_path",
     "split_params",
 ]

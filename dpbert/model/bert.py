@@ -26,7 +26,7 @@ Guarantees:
 - ``remat=True`` (``BertModel``, ``BertForMaskedLM``) wraps the scanned layer body in
   ``jax.checkpoint``: identical outputs and gradients, activation memory traded for a second
   forward pass of each layer in the backward pass. The ghost-clipping forward
-  (``dpbert.privacy.ghost_clipping``) scans the same layer body with taps and ignores it.
+  (``dpbert.model.ghost``) scans the same layer body with taps and ignores it.
 - The masked-LM decoder is tied to ``bert.embeddings.word_embeddings`` (one parameter, one
   gradient) plus its own ``cls.predictions.bias``, as in BERT; a config with
   ``tie_word_embeddings=False`` gets an untied ``cls.predictions.decoder`` instead.
@@ -71,8 +71,8 @@ ACTIVATIONS: dict[str, Callable[[jax.Array], jax.Array]] = {
 }
 
 # Fixed dropout-site numbers: the key of a site is fold_in(parent_key, site).
-_SITE_EMBEDDINGS = 0
-_SITE_CLASSIFIER = 1
+SITE_EMBEDDINGS = 0
+SITE_CLASSIFIER = 1
 _SITE_LAYER_BASE = 16  # layer i folds in _SITE_LAYER_BASE + i
 _SITE_ATTN_PROBS, _SITE_ATTN_OUT, _SITE_FFN_OUT = 0, 1, 2
 
@@ -125,7 +125,8 @@ def check_config(config: BertConfig) -> None:
         raise ValueError("config.is_decoder / config.add_cross_attention: dpbert builds the bidirectional encoder only")
 
 
-def _fold(key: jax.Array | None, site: int) -> jax.Array | None:
+def fold_key(key: jax.Array | None, site: int) -> jax.Array | None:
+    """The dropout key of site `site` under `key`: fold_in(key, site) (None stays None)."""
     return None if key is None else jax.random.fold_in(key, site)
 
 
@@ -192,6 +193,29 @@ def _embed(config: BertConfig, n: int, rngs: nnx.Rngs) -> nnx.Embed:
     )
 
 
+class Tap:
+    """How a module's parameterized sub-layers are applied: plainly here; the ghost-clipping
+    forward (`dpbert.model.ghost`) records their inputs and perturbs their outputs. `name` is
+    the sub-layer's parameter path inside the module ("attention/self/query")."""
+
+    def dense(self, name: str, layer: nnx.Linear, x: jax.Array) -> jax.Array:
+        return layer(x)
+
+    def layer_norm(self, name: str, ln: nnx.LayerNorm, x: jax.Array) -> jax.Array:
+        return ln(x)
+
+    def embed(self, name: str, table: jax.Array, ids: jax.Array) -> jax.Array:
+        """Rows `ids` of `table` (float32: the caller casts after summing)."""
+        return jnp.take(table, ids, axis=0)
+
+    def positions(self, name: str, table: jax.Array, length: int) -> jax.Array:
+        """The first `length` rows of `table`, one per position."""
+        return table[:length]
+
+
+NO_TAP = Tap()
+
+
 class BertEmbeddings(nnx.Module):
     def __init__(self, config: BertConfig, *, rngs: nnx.Rngs, dtype: Any):
         self.word_embeddings = _embed(config, config.vocab_size, rngs)
@@ -205,30 +229,17 @@ class BertEmbeddings(nnx.Module):
         self.dropout_rate = config.hidden_dropout_prob
         self.dtype = dtype
 
-    def __call__(self, input_ids: jax.Array, token_type_ids: jax.Array, key: jax.Array | None) -> jax.Array:
+    def __call__(
+        self, input_ids: jax.Array, token_type_ids: jax.Array, key: jax.Array | None, tap: Tap = NO_TAP
+    ) -> jax.Array:
         seq_len = input_ids.shape[-1]
         # Gather first, then cast: never materialise a casted copy of the whole table.
         x = (
-            jnp.take(self.word_embeddings.embedding[...], input_ids, axis=0)
-            + jnp.take(self.token_type_embeddings.embedding[...], token_type_ids, axis=0)
-            + self.position_embeddings.embedding[...][:seq_len]
+            tap.embed("word_embeddings", self.word_embeddings.embedding[...], input_ids)
+            + tap.embed("token_type_embeddings", self.token_type_embeddings.embedding[...], token_type_ids)
+            + tap.positions("position_embeddings", self.position_embeddings.embedding[...], seq_len)
         ).astype(self.dtype)
-        return dropout(self.LayerNorm(x), self.dropout_rate, key)
-
-
-class Tap:
-    """How a layer's dense and LayerNorm sub-layers are applied: plainly here; the ghost-clipping
-    forward (`dpbert.privacy.ghost_clipping`) records their inputs and perturbs their outputs.
-    `name` is the sub-layer's parameter path inside the layer ("attention/self/query")."""
-
-    def dense(self, name: str, layer: nnx.Linear, x: jax.Array) -> jax.Array:
-        return layer(x)
-
-    def layer_norm(self, name: str, ln: nnx.LayerNorm, x: jax.Array) -> jax.Array:
-        return ln(x)
-
-
-NO_TAP = Tap()
+        return dropout(tap.layer_norm("LayerNorm", self.LayerNorm, x), self.dropout_rate, key)
 
 
 class BertSelfAttention(nnx.Module):
@@ -268,8 +279,8 @@ class BertAttention(nnx.Module):
         self.output = BertSelfOutput(config, rngs=rngs, dtype=dtype)
 
     def __call__(self, x: jax.Array, mask: jax.Array | None, key: jax.Array | None, tap: Tap = NO_TAP) -> jax.Array:
-        context = self.self(x, mask, _fold(key, _SITE_ATTN_PROBS), tap)
-        return self.output(context, x, _fold(key, _SITE_ATTN_OUT), tap)
+        context = self.self(x, mask, fold_key(key, _SITE_ATTN_PROBS), tap)
+        return self.output(context, x, fold_key(key, _SITE_ATTN_OUT), tap)
 
 
 class BertIntermediate(nnx.Module):
@@ -303,7 +314,7 @@ class BertLayer(nnx.Module):
 
     def __call__(self, x: jax.Array, mask: jax.Array | None, key: jax.Array | None, tap: Tap = NO_TAP) -> jax.Array:
         attended = self.attention(x, mask, key, tap)
-        return self.output(self.intermediate(attended, tap), attended, _fold(key, _SITE_FFN_OUT), tap)
+        return self.output(self.intermediate(attended, tap), attended, fold_key(key, _SITE_FFN_OUT), tap)
 
 
 def stack_modules(modules: list[nnx.Module]) -> nnx.Module:
@@ -367,7 +378,7 @@ def scan_layers(
 
 def layer_key(key: jax.Array | None, i: int | jax.Array) -> jax.Array | None:
     """Dropout key of encoder layer i: fold_in(key, _SITE_LAYER_BASE + i)."""
-    return _fold(key, _SITE_LAYER_BASE + i)
+    return fold_key(key, _SITE_LAYER_BASE + i)
 
 
 class BertEncoder(nnx.Module):
@@ -393,8 +404,8 @@ class BertPooler(nnx.Module):
     def __init__(self, config: BertConfig, *, rngs: nnx.Rngs, dtype: Any):
         self.dense = _linear(config, config.hidden_size, config.hidden_size, rngs, dtype)
 
-    def __call__(self, x: jax.Array) -> jax.Array:
-        return jnp.tanh(self.dense(x[:, 0]))
+    def __call__(self, x: jax.Array, tap: Tap = NO_TAP) -> jax.Array:
+        return jnp.tanh(tap.dense("dense", self.dense, x[:, 0]))
 
 
 class _PretrainedMixin:
@@ -429,8 +440,8 @@ class _PretrainedMixin:
         hf_io.save_pretrained(self, path)
 
 
-def _attention_mask(attention_mask: jax.Array | None) -> jax.Array | None:
-    # [B, S] 1 = attend, 0 = padding -> boolean [B, 1, 1, S] that broadcasts over heads and queries.
+def attention_mask_4d(attention_mask: jax.Array | None) -> jax.Array | None:
+    """[B, S] 1 = attend, 0 = padding -> boolean [B, 1, 1, S] that broadcasts over heads and queries."""
     if attention_mask is None:
         return None
     return attention_mask.astype(jnp.bool_)[:, None, None, :]
@@ -473,8 +484,8 @@ class BertModel(_PretrainedMixin, nnx.Module):
             )
         if token_type_ids is None:
             token_type_ids = jnp.zeros_like(input_ids)
-        mask = _attention_mask(None if attention_mask is None else jnp.asarray(attention_mask))
-        x = self.embeddings(input_ids, jnp.asarray(token_type_ids), _fold(dropout_rng, _SITE_EMBEDDINGS))
+        mask = attention_mask_4d(None if attention_mask is None else jnp.asarray(attention_mask))
+        x = self.embeddings(input_ids, jnp.asarray(token_type_ids), fold_key(dropout_rng, SITE_EMBEDDINGS))
         x, states = self.encoder(x, mask, dropout_rng, output_hidden_states=output_hidden_states)
         pooled = None if self.pooler is None else self.pooler(x)
         return BaseModelOutput(last_hidden_state=x, pooler_output=pooled, hidden_states=states)
@@ -486,8 +497,10 @@ class BertPredictionHeadTransform(nnx.Module):
         self.LayerNorm = _layer_norm(config, rngs, dtype)
         self.hidden_act = config.hidden_act
 
-    def __call__(self, x: jax.Array) -> jax.Array:
-        return self.LayerNorm(ACTIVATIONS[self.hidden_act](self.dense(x)))
+    def __call__(self, x: jax.Array, tap: Tap = NO_TAP) -> jax.Array:
+        return tap.layer_norm(
+            "LayerNorm", self.LayerNorm, ACTIVATIONS[self.hidden_act](tap.dense("dense", self.dense, x))
+        )
 
 
 class BertLMPredictionHead(nnx.Module):
@@ -598,5 +611,5 @@ class BertForSequenceClassification(_PretrainedMixin, nnx.Module):
             dropout_rng=dropout_rng,
             output_hidden_states=output_hidden_states,
         )
-        pooled = dropout(out.pooler_output, self.dropout_rate, _fold(dropout_rng, _SITE_CLASSIFIER))
+        pooled = dropout(out.pooler_output, self.dropout_rate, fold_key(dropout_rng, SITE_CLASSIFIER))
         return SequenceClassifierOutput(logits=self.classifier(pooled), hidden_states=out.hidden_states)

@@ -27,8 +27,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
-import tempfile
 import warnings
 from collections.abc import Mapping
 from pathlib import Path
@@ -37,7 +35,11 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from safetensors import safe_open
+from safetensors.numpy import save_file
 from transformers import BertConfig
+
+from dpbert.atomic import replace_dir, replace_files
 
 CONFIG_NAME = "config.json"
 SAFE_WEIGHTS_NAME = "model.safetensors"
@@ -51,21 +53,21 @@ _BUFFERS = re.compile(r"(^|\.)embeddings\.(position_ids|token_type_ids)$")
 _LEAF_TO_HF = {"kernel": "weight", "embedding": "weight", "scale": "weight", "bias": "bias"}
 
 
-def resolve_model_path(path_or_id: str | os.PathLike[str]) -> Path:
-    """Return the local model folder for ``path_or_id``.
+def model_folder(path: str | os.PathLike[str]) -> Path:
+    """``path`` as a local model folder; FileNotFoundError (a Hub id, a missing folder) says how to get one.
 
-    A local folder is returned as is. Anything else is a Hub id, resolved by
-    ``dpbert.release.hub.resolve_pretrained``: downloaded through the Hugging Face cache (offline
-    from the cache), and verified when it makes a privacy claim; FileNotFoundError says how to fetch it.
+    Hub ids are resolved one layer up, by ``dpbert.release.resolve_pretrained`` (download through the
+    Hugging Face cache, verification of any privacy claim), before the folder reaches this module.
     """
-    path = Path(path_or_id).expanduser()
-    if path.is_dir():
-        return path
-    if path.exists():
-        raise ValueError(f"{path}: expected a model folder (config.json + weights), found a file")
-    from dpbert.release.hub import resolve_pretrained
-
-    return resolve_pretrained(str(path_or_id))
+    folder = Path(path).expanduser()
+    if folder.is_dir():
+        return folder
+    if folder.exists():
+        raise ValueError(f"{folder}: expected a model folder (config.json + weights), found a file")
+    raise FileNotFoundError(
+        f"{path}: no such model folder; for a Hub id, run `dpbert pull {path}` (or call "
+        "dpbert.release.resolve_pretrained) and load the folder it returns"
+    )
 
 
 def load_config(folder: str | os.PathLike[str]) -> BertConfig:
@@ -95,8 +97,6 @@ def _normalise_key(key: str) -> str:
 
 
 def _read_safetensors(path: Path) -> dict[str, np.ndarray]:
-    from safetensors import safe_open
-
     # The flax framework reads bfloat16/float16 checkpoints too (numpy has no bfloat16).
     with safe_open(str(path), framework="flax") as f:
         return {key: np.asarray(f.get_tensor(key), dtype=np.float32) for key in f.keys()}  # noqa: SIM118 (safe_open is no dict)
@@ -104,7 +104,7 @@ def _read_safetensors(path: Path) -> dict[str, np.ndarray]:
 
 def _read_torch_bin(path: Path) -> dict[str, np.ndarray]:
     try:
-        import torch
+        import torch  # deferred: the optional interop extra, 1.7 s at import; read only for pytorch_model.bin
     except ImportError as err:
         raise ImportError(
             f"{path}: reading pytorch_model.bin needs torch (pip install 'dpbert[interop]'); "
@@ -267,9 +267,9 @@ def load_hf_state(model: nnx.Module, state: Mapping[str, np.ndarray], source: st
     return missing
 
 
-def from_pretrained(cls: type, path_or_id: str | os.PathLike[str], *, dtype: Any, seed: int, **config_overrides: Any):
-    """Build ``cls`` from a Hugging Face BERT folder (see ``load_hf_state`` for what may be missing)."""
-    folder = resolve_model_path(path_or_id)
+def from_pretrained(cls: type, path: str | os.PathLike[str], *, dtype: Any, seed: int, **config_overrides: Any):
+    """Build ``cls`` from a local Hugging Face BERT folder (see ``load_hf_state`` for what may be missing)."""
+    folder = model_folder(path)
     config = load_config(folder)
     for field, value in config_overrides.items():
         if not hasattr(config, field):
@@ -292,8 +292,6 @@ def from_pretrained(cls: type, path_or_id: str | os.PathLike[str], *, dtype: Any
 
 
 def _write_folder(folder: Path, config: BertConfig, state: dict[str, np.ndarray]) -> None:
-    from safetensors.numpy import save_file
-
     config.to_json_file(str(folder / CONFIG_NAME), use_diff=True)
     # transformers refuses safetensors files without a known "format" in the metadata.
     save_file(state, str(folder / SAFE_WEIGHTS_NAME), metadata={"format": "pt"})
@@ -308,19 +306,5 @@ def save_pretrained(model: nnx.Module, path: str | os.PathLike[str]) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     if target.exists() and not target.is_dir():
         raise ValueError(f"{target}: exists and is not a folder")
-    if not target.exists():
-        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent))
-        try:
-            _write_folder(tmp, config, state)
-            os.replace(tmp, target)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-        return
-    tmp = Path(tempfile.mkdtemp(prefix=".save.", suffix=".tmp", dir=target))
-    try:
+    with replace_files(target) if target.exists() else replace_dir(target) as tmp:
         _write_folder(tmp, config, state)
-        for name in (CONFIG_NAME, SAFE_WEIGHTS_NAME):
-            os.replace(tmp / name, target / name)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)

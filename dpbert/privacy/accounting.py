@@ -26,6 +26,14 @@ gradients): a mixture-of-Gaussians event (`dp_accounting.MixtureOfGaussiansDpEve
 analysis of jax_privacy's user-level DP-SGD accountant with examples_per_user = k, and far
 tighter than the (k eps, k e^{(k-1) eps} delta) rule of thumb.
 
+A vocabulary learned under DP (`VocabularyEvent`, `dpbert.privacy.vocabulary`): each unit adds 1 to
+the count of each of at most k distinct words (L2 sensitivity sqrt(k) under add-or-remove one unit),
+Gaussian noise N(0, (sigma sqrt(k))^2) is added to every count, and only counts above a threshold are
+kept. Released counts are the Gaussian mechanism, `GaussianDpEvent(sigma)`, composed with training's
+events in one ledger; a word that only one unit uses passes the threshold with probability at most
+`selection_delta` over all of that unit's words (Gaussian partition selection: Korolova et al. 2009,
+Gopi et al. 2020), which adds `selection_delta` to the release's delta.
+
 Guarantees: `compute_epsilon` is the accountant's epsilon for the whole schedule at `delta`
 (PLD is pessimistic by construction); `calibrate_noise_multiplier` returns noise multipliers
 whose epsilon is <= the target (checked after the search); `PrivacyLedger.epsilon()`
@@ -38,6 +46,7 @@ import dataclasses
 import json
 import math
 from collections.abc import Callable, Mapping, Sequence
+from statistics import NormalDist
 from typing import Any
 
 import dp_accounting
@@ -133,11 +142,15 @@ def compute_epsilon(
     delta: float,
     accountant: str = "pld",
     pld_discretization: float = PLD_DISCRETIZATION,
+    extra_event: dp_accounting.DpEvent | None = None,
 ) -> float:
-    """Epsilon of the whole schedule at `delta` (inf when some stage has noise_multiplier 0)."""
+    """Epsilon of the whole schedule at `delta` (inf when some stage has noise_multiplier 0),
+    composed after `extra_event` when given (a DP vocabulary's `VocabularyEvent.event()`)."""
     _check_delta(delta)
     _check_accountant(accountant)
     event = schedule_event(schedule, dataset_size)
+    if extra_event is not None:
+        event = dp_accounting.ComposedDpEvent(events=[extra_event, event])
     acc = make_accountant(accountant, pld_discretization=pld_discretization)
     acc.compose(event)
     return float(acc.get_epsilon(delta))
@@ -205,8 +218,10 @@ def calibrate_noise_multiplier(
     accountant: str = "pld",
     per_stage: bool = False,
     rtol: float = 1e-3,
+    extra_event: dp_accounting.DpEvent | None = None,
 ) -> BatchSchedule:
-    """The schedule (its noise multipliers replaced) that meets `target_epsilon` at `delta`.
+    """The schedule (its noise multipliers replaced) that meets `target_epsilon` at `delta`,
+    composed after `extra_event` when given (what a DP vocabulary spent before training).
 
     per_stage=False: the smallest single noise multiplier shared by every stage (within a
     relative `rtol`). per_stage=True: one multiplier per stage such that every stage alone has
@@ -224,10 +239,10 @@ def calibrate_noise_multiplier(
     _check_accountant(accountant)
     n_stages = len(schedule.stages)
     # Root finders revisit points (bracket ends, brentq's first evaluations): remember them.
-    cache: dict[tuple[tuple[Stage, ...], float], float] = {}
+    cache: dict[tuple[tuple[Stage, ...], float, bool], float] = {}
 
-    def epsilon(candidate: BatchSchedule, discretization: float) -> float:
-        key = (candidate.stages, discretization)
+    def epsilon(candidate: BatchSchedule, discretization: float, *, with_extra: bool = True) -> float:
+        key = (candidate.stages, discretization, with_extra)
         if key not in cache:
             cache[key] = compute_epsilon(
                 candidate,
@@ -235,6 +250,7 @@ def calibrate_noise_multiplier(
                 delta=delta,
                 accountant=accountant,
                 pld_discretization=discretization,
+                extra_event=extra_event if with_extra else None,
             )
         return cache[key]
 
@@ -251,7 +267,7 @@ def calibrate_noise_multiplier(
             alone = BatchSchedule(stages=(stage,))
 
             def stage_eps(sigma: float, discretization: float, alone=alone) -> float:
-                return epsilon(alone.with_noise_multipliers([sigma]), discretization)
+                return epsilon(alone.with_noise_multipliers([sigma]), discretization, with_extra=False)
 
             # Only the composed schedule is checked on the fine grid (below), not each stage.
             guesses[i] = _smallest_noise(stage_eps, stage_epsilon, rtol, guesses[i], verify=False)
@@ -279,6 +295,92 @@ def overflow_probability(expected_batch_size: int, dataset_size: int, physical_b
 
     q = sampling_rate(expected_batch_size, dataset_size)
     return float(binom.sf(physical_batch_size, dataset_size + 1, q))
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class VocabularyEvent:
+    """A vocabulary released by Gaussian partition selection over word counts (all public numbers).
+
+    Each `unit` adds 1 to at most `words_per_unit` (k) distinct words, so one unit moves the count
+    vector by at most sqrt(k) in L2 norm; every count gets N(0, noise_stddev^2) with noise_stddev =
+    noise_multiplier * sqrt(k), the `GaussianDpEvent(noise_multiplier)` of `event()`. A count is kept
+    when it exceeds `threshold`: a word used by one unit only (count 1) passes with probability
+    `per_word_selection_probability`, so any of that unit's k words passes with probability at most
+    `selection_delta`, which adds to the release's delta. `epsilon_share` is what the event alone
+    spends at the ledger's delta (the budget share it was calibrated to)."""
+
+    noise_multiplier: float
+    words_per_unit: int
+    selection_delta: float
+    epsilon_share: float
+    unit: str
+    mechanism: str = "gaussian_partition_selection"
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.noise_multiplier, int | float) and self.noise_multiplier > 0):
+            raise ValueError(f"vocabulary.noise_multiplier must be > 0, got {self.noise_multiplier!r}")
+        if isinstance(self.words_per_unit, bool) or not isinstance(self.words_per_unit, int) or self.words_per_unit < 1:
+            raise ValueError(f"vocabulary.words_per_unit must be an integer >= 1, got {self.words_per_unit!r}")
+        if not 0 < self.selection_delta < 1:
+            raise ValueError(f"vocabulary.selection_delta must be in (0, 1), got {self.selection_delta!r}")
+        if not self.epsilon_share > 0:
+            raise ValueError(f"vocabulary.epsilon_share must be > 0, got {self.epsilon_share!r}")
+        if self.mechanism != "gaussian_partition_selection":
+            raise ValueError(f"vocabulary.mechanism must be 'gaussian_partition_selection', got {self.mechanism!r}")
+
+    @property
+    def sensitivity(self) -> float:
+        """L2 norm of one unit's contribution to the counts."""
+        return math.sqrt(self.words_per_unit)
+
+    @property
+    def noise_stddev(self) -> float:
+        return self.noise_multiplier * self.sensitivity
+
+    @property
+    def per_word_selection_probability(self) -> float:
+        """p with 1 - (1 - p)^k = selection_delta: the chance that one single-unit word is kept."""
+        return -math.expm1(math.log1p(-self.selection_delta) / self.words_per_unit)
+
+    @property
+    def threshold(self) -> float:
+        """The count a word must exceed: 1 + noise_stddev * z, P[N(0, 1) > z] = per-word probability."""
+        return 1.0 + self.noise_stddev * -NormalDist().inv_cdf(self.per_word_selection_probability)
+
+    def event(self) -> dp_accounting.DpEvent:
+        return dp_accounting.GaussianDpEvent(noise_multiplier=self.noise_multiplier)
+
+
+def calibrate_vocabulary(
+    *,
+    epsilon: float,
+    delta: float,
+    selection_delta: float,
+    words_per_unit: int,
+    unit: str,
+    accountant: str = "pld",
+    rtol: float = 1e-3,
+) -> VocabularyEvent:
+    """The `VocabularyEvent` whose Gaussian mechanism alone spends at most `epsilon` at `delta`
+    (the smallest such noise multiplier within `rtol`, checked on the accountant's fine grid)."""
+    if not (isinstance(epsilon, int | float) and not isinstance(epsilon, bool) and 0 < epsilon < math.inf):
+        raise ValueError(f"epsilon must be a finite number > 0, got {epsilon!r}")
+    _check_delta(delta)
+    _check_accountant(accountant)
+
+    def epsilon_of(sigma: float, discretization: float) -> float:
+        acc = make_accountant(accountant, pld_discretization=discretization)
+        acc.compose(dp_accounting.GaussianDpEvent(noise_multiplier=sigma))
+        return float(acc.get_epsilon(delta))
+
+    sigma = _smallest_noise(epsilon_of, epsilon, rtol)
+    return VocabularyEvent(
+        noise_multiplier=sigma,
+        words_per_unit=words_per_unit,
+        selection_delta=selection_delta,
+        epsilon_share=epsilon_of(sigma, PLD_DISCRETIZATION),
+        unit=unit,
+    )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -320,8 +422,9 @@ class LedgerStage:
 class PrivacyLedger:
     """Everything needed to recompute the guarantee of a DP-SGD run; JSON round-trips.
 
-    The guarantee is (epsilon(), delta + truncation_delta())-DP for add-or-remove-one
-    `privacy_unit`, with Poisson sampling at each stage's `sampling_rate`.
+    The guarantee is (epsilon(), delta + truncation_delta() + selection_delta())-DP for
+    add-or-remove-one `privacy_unit`, with Poisson sampling at each stage's `sampling_rate`;
+    with a `vocabulary`, epsilon() composes its Gaussian event with the stages'.
 
     `dataset_size` is treated as public: `dataset_size_source` says whether it was
     "declared" (a number fixed before the data was seen), "rounded" (the true count rounded
@@ -341,6 +444,8 @@ class PrivacyLedger:
     dataset_size_source: str = "exact"
     # Document-level ledgers only: the most sequences of one document in one step.
     max_sequences_per_document: int | None = None
+    # A vocabulary learned from the private data under DP, spent before the first step.
+    vocabulary: VocabularyEvent | None = None
 
     def __post_init__(self) -> None:
         _check_accountant(self.accountant)
@@ -399,6 +504,7 @@ class PrivacyLedger:
         dataset_size_source: str = "exact",
         privacy_unit: str = PRIVACY_UNIT,
         max_sequences_per_document: int | None = None,
+        vocabulary: VocabularyEvent | None = None,
     ) -> PrivacyLedger:
         physical = physical_batch_sizes or [None] * len(schedule.stages)
         if len(physical) != len(schedule.stages):
@@ -425,6 +531,7 @@ class PrivacyLedger:
             dataset_size_source=dataset_size_source,
             privacy_unit=privacy_unit,
             max_sequences_per_document=max_sequences_per_document,
+            vocabulary=vocabulary,
         )
 
     @property
@@ -441,11 +548,23 @@ class PrivacyLedger:
         return sum(s.steps for s in self.stages)
 
     def epsilon(self) -> float:
-        """Epsilon at `delta` recomputed from the recorded stages (0.0 for no steps)."""
+        """Epsilon at `delta` recomputed from the recorded events: the vocabulary's (if any) composed
+        with the stages' (0.0 for neither)."""
         schedule = self.schedule
+        extra = None if self.vocabulary is None else self.vocabulary.event()
         if schedule is None:
-            return 0.0
-        return compute_epsilon(schedule, dataset_size=self.dataset_size, delta=self.delta, accountant=self.accountant)
+            if extra is None:
+                return 0.0
+            acc = make_accountant(self.accountant)
+            acc.compose(extra)
+            return float(acc.get_epsilon(self.delta))
+        return compute_epsilon(
+            schedule, dataset_size=self.dataset_size, delta=self.delta, accountant=self.accountant, extra_event=extra
+        )
+
+    def selection_delta(self) -> float:
+        """The delta that the vocabulary's partition selection adds (0.0 without one)."""
+        return 0.0 if self.vocabulary is None else self.vocabulary.selection_delta
 
     def stage_epsilons(self) -> list[float]:
         """Epsilon of each stage alone at `delta` (a breakdown; they do not add up)."""
@@ -518,6 +637,8 @@ class PrivacyLedger:
         d["stages"] = [dataclasses.asdict(s) for s in self.stages]
         if d["max_sequences_per_document"] is None:
             del d["max_sequences_per_document"]  # sequence-level ledgers keep their format
+        if d["vocabulary"] is None:
+            del d["vocabulary"]  # ledgers without a DP vocabulary keep their format
         return d
 
     @classmethod
@@ -536,7 +657,13 @@ class PrivacyLedger:
             if bad:
                 raise ValueError(f"unknown field(s) in privacy ledger stages[{i}]: {sorted(bad)}")
             stages.append(LedgerStage(**s))
-        return cls(**{**d, "stages": tuple(stages)})
+        vocabulary = d.get("vocabulary")
+        if vocabulary is not None:
+            bad = set(vocabulary) - {f.name for f in dataclasses.fields(VocabularyEvent)}
+            if bad:
+                raise ValueError(f"unknown field(s) in privacy ledger vocabulary: {sorted(bad)}")
+            vocabulary = VocabularyEvent(**vocabulary)
+        return cls(**{**d, "stages": tuple(stages), "vocabulary": vocabulary})
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2, sort_keys=True)
@@ -560,8 +687,9 @@ def group_epsilon(ledger: PrivacyLedger, group_size: int) -> float:
     """Epsilon at the ledger's delta of a sequence-level ledger for a group of `group_size`
     sequences (a whole document): each stage is T steps of the mixture of N(j C, (sigma C)^2),
     j ~ Binomial(group_size, q), composed by PLD (see the module docstring). inf when some stage
-    has no noise or when the accountant gives no epsilon below GROUP_EPSILON_CAP (no meaningful
-    guarantee).
+    has no noise, when the ledger has a DP vocabulary (its threshold bounds the selection of the
+    words of one unit, not of a group's), or when the accountant gives no epsilon below
+    GROUP_EPSILON_CAP (no meaningful guarantee).
 
     Pessimistic throughout: the binomial is cut at the smallest J whose tail tau is below
     1e-3 delta e^-cap / steps (the tail's mass moved to J); the cut mixture is within total
@@ -571,6 +699,8 @@ def group_epsilon(ledger: PrivacyLedger, group_size: int) -> float:
 
     if ledger.is_document_level:
         raise ValueError("group_epsilon: the ledger is document-level already (its unit is one document)")
+    if ledger.vocabulary is not None:
+        return math.inf  # the selection threshold is set for one unit; a group's own words pass it
     if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
         raise ValueError(f"group_size must be an integer >= 1, got {group_size!r}")
     if not ledger.stages:

@@ -45,6 +45,8 @@ import numpy as np
 import scipy.special
 import scipy.stats
 
+from dpbert.privacy import crosscheck
+
 _EPSILON_SEARCH_MAX = 100.0
 _BISECTION_STEPS = 40
 
@@ -335,8 +337,6 @@ def empirical_figures(
     figures of jax-privacy's canary auditor when it is installed (`jax_privacy`:
     `dpbert.privacy.crosscheck.jax_privacy_audit_figures`, with `available: true`; else
     `available: false` and a `note`). Every figure is empirical (`EMPIRICAL`)."""
-    from dpbert.privacy import crosscheck
-
     included = np.asarray(included, dtype=bool)
     if included.all() or not included.any():  # a fair coin per canary: rare unless m is tiny
         note = "every canary was on the same side (all in or all out): no ROC curve"

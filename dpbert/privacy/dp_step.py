@@ -39,9 +39,10 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from dpbert.privacy.clipping import ClipStats, LossFn, clipped_grad_sum, grad_sum
+from dpbert.privacy.clipping import ClipStats, LossFn, grad_sum
 from dpbert.privacy.noise import check_dp_params, privatize
 from dpbert.privacy.randomness import example_key, noise_key
+from dpbert.privacy.tuning import clipped_sum_for
 
 StepFn = Callable[[Any, Any, Any, jax.Array, jax.Array], tuple[Any, Any, dict[str, jax.Array]]]
 
@@ -138,7 +139,7 @@ def make_dp_train_step(
     """A jitted DP-SGD step for one schedule stage (see the module docstring).
 
     `clipping_method`: "vmap" (per-example gradients, any loss), "ghost" or "auto" (see
-    `dpbert.privacy.ghost_clipping.clipped_sum_for`); it changes speed only, never the noise,
+    `dpbert.privacy.tuning.clipped_sum_for`); it changes speed only, never the noise,
     the sensitivity or the accounting.
 
     `loss_fn(params, example, rng) -> scalar` sees one example. The physical batch size is
@@ -149,12 +150,7 @@ def make_dp_train_step(
     if isinstance(microbatch_size, bool) or not isinstance(microbatch_size, int) or microbatch_size < 1:
         raise ValueError(f"microbatch_size must be an integer >= 1, got {microbatch_size!r}")
 
-    sum_impl = clipped_grad_sum
-    if clipping_method != "vmap":
-        # Imported only when asked: the ghost path is model-aware, the DP core is not.
-        from dpbert.privacy.ghost_clipping import clipped_sum_for
-
-        sum_impl = clipped_sum_for(clipping_method, loss_fn)
+    sum_impl = clipped_sum_for(clipping_method, loss_fn)
 
     def sum_fn(params, batch, is_padding, key, position_offset=0):
         return sum_impl(

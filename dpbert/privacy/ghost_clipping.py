@@ -1,4 +1,5 @@
-"""Exact per-example clipping without per-example gradients ("ghost" norms + book-keeping).
+"""Exact per-example clipping without per-example gradients ("ghost" norms + book-keeping),
+for any loss that exposes taps: the DP core's side of ghost clipping, model-free.
 
 For every layer whose parameters enter linearly, the per-example gradient is a product of two
 quantities a backward pass already has: the layer's input `a` [T, d_in] and the gradient of
@@ -14,13 +15,30 @@ zero tensor `z` is added to each layer output and d loss / d z is the output gra
   Bu et al. 2023): no second backward pass, and no [M, params] tensor beyond the layers that
   are instantiated (their per-micro-batch memory is M d_in d_out floats each).
 
-`MLMGhostLoss` is the BERT-aware part: a per-example masked-LM loss for a dpbert
-`BertForMaskedLM` that covers EVERY parameter (dense kernels and biases, LayerNorm scale and
-bias, word / position / token-type embeddings, the MLM bias) and the tied word embedding,
-whose per-example gradient is the sum of its two uses (input lookup G_in and decoder G_dec):
-||G_in + G_dec||^2 = ||G_in||^2 + ||G_dec||^2 + 2 <G_in, G_dec>, the cross term exactly
-sum_{t,p} e_p[id_t] (x_p . g_t). The object is also a plain `loss_fn(params, example, rng)`,
-so the vmap path (`dpbert.privacy.clipping`) and this path clip the same function.
+The interface (as Opacus' per-layer-type grad samplers, but declared by the loss instead of
+discovered from modules): a `GhostLoss` is a plain `loss_fn(params, example, rng)` that also
+
+- declares its taps, `tap_groups(params) -> {group: TapGroup}`: each tap is a name and a kind
+  that says which parameters it covers and how they enter the tapped output: `Dense` (kernel
+  and optional bias; the kernel may be stored transposed, as a decoder tied to an embedding
+  table), `ScaleBias` (an elementwise affine such as LayerNorm's, input xhat), `Bias` (a bias
+  added to an output), `Lookup` (rows of a table gathered by integer ids) and `Positions` (a
+  table's first rows added by position); a group is either flat or a stack of layers (every
+  parameter under a prefix has a leading layer axis and its taps come from a scanned layer
+  body: the core scans its norms and sums over that axis too, so compile time does not grow
+  with depth);
+- runs one example with its taps, `tapped(params, example, rng, z) -> (loss, inputs,
+  outputs)`: `inputs[group][name]` is the tap's input (`a` of a Dense, xhat of a ScaleBias,
+  the int ids of a Lookup, None for Bias and Positions), `outputs[group][name]` its output
+  with `z[group][name]` added (z None: nothing added). A stacked group's inputs and outputs
+  carry the leading layer axis. `Tape` records both while the forward runs.
+
+The core checks that the taps cover every parameter exactly once (a parameter shared by a
+`Lookup` and a transposed `Dense`, a tied decoder, is the one exception: its per-example norm
+||G_in + G_dec||^2 = ||G_in||^2 + ||G_dec||^2 + 2 <G_in, G_dec> takes the cross term
+sum_{t,p} e_p[id_t] (x_p . g_t) computed here) and refuses the loss otherwise: a parameter
+without a tap would escape clipping. Every rule sums over all rows of an example's taps, so an
+example may hold several sequences (a document) and its norm is that of its summed gradient.
 
 `ghost_clipped_grad_sum(loss, params, batch, is_padding, rng, ...)` has the signature and the
 guarantees of `clipping.clipped_grad_sum` (sensitivity clip_norm, padding and non-finite
@@ -28,161 +46,127 @@ examples contribute exactly zero, per-example keys fold_in(rng, global position)
 not private). The two paths agree to float tolerance; the choice changes neither the noise
 nor the accounting (noise is added by the step on the returned sum). One difference at the
 extreme: a finite gradient whose squared norm overflows float32 (norm > ~1e19) is dropped
-(counted non-finite) here, clipped there; both keep the sensitivity at clip_norm.
-
-Documents (`privacy.unit: document`, `dpbert.privacy.documents`): an example may be a document of
-K sequences (`input_ids` [K, L] and `sequence_padding` [K]); its loss is the sum of its sequences'
-losses, its taps hold all its K L tokens, and every norm above is then that of the document's summed
-gradient (for a dense layer ||sum_{t in S} a_t g_t^T||_F^2 = sum_{t,s in S} (a_t . a_s)(g_t . g_s)
-over the document's token set S; a position row sums the K tokens at its position).
-
-Forward numerics: the tapped forward calls the model's own submodules (Linear, LayerNorm,
-attention, dropout sites), so the loss and its dropout masks are those of the plain loss.
-
-Depth: the encoder's layers are the model's own scanned layer body (`bert.scan_layers`) with
-taps (`bert.Tap`): one layer is traced and compiled whatever the depth, its tap inputs come
-out stacked on a leading layer axis, the output gradients of the perturbations too (the
-backward of the scan is a scan), and the per-layer norms and clipped sums run as one
-`lax.scan` over the layer axis each. Compile time does not grow with depth, and no piece of
-the program grows with the micro-batch size M either (per-example sums are one dot for
-M > 8, see `_weighted_example_sum`).
+(counted non-finite) here, clipped there; both keep the sensitivity at clip_norm. No piece of
+the program grows with the micro-batch size M (per-example sums are one dot for M > 8, see
+`_weighted_example_sum`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import Any, Protocol, runtime_checkable
 
 import jax
 import jax.numpy as jnp
-import numpy as np
-import optax
-from flax import nnx
 
-from dpbert.model import bert as bert_lib
-from dpbert.model.bert import BertForMaskedLM
-from dpbert.model.functional import merge
 from dpbert.privacy.clipping import ClipStats, clip_scale, example_keys, scan_microbatches
-from dpbert.privacy.clipping import clipped_grad_sum as clipped_grad_sum_vmap
-from dpbert.privacy.documents import SEQUENCE_PADDING
-from dpbert.privacy.tuning import best_seconds, placeholder
 
 Path = tuple[Any, ...]
 _F32 = jnp.float32
+LAYER_MODES = ("mixed", "ghost", "instantiate")
 
 
-def mlm_loss_from_logits(logits: jax.Array, example: dict[str, jax.Array]) -> jax.Array:
-    """Mean cross-entropy over the example's weighted masked positions (0 if none)."""
-    ce = optax.softmax_cross_entropy_with_integer_labels(logits.astype(_F32), example["labels"])
-    w = example["label_weights"]
-    return jnp.sum(ce * w) / jnp.maximum(jnp.sum(w), 1.0)
+# ---------------------------------------------------------------------------- the interface
 
 
-class _Tape(bert_lib.Tap):
-    """Records, during one traced forward, each tap's input and output shape and adds its zero
-    perturbation. One tape for the taps outside the encoder ("rest"), one per scanned layer
-    body (its names are the sub-layer paths inside a layer, "attention/self/query")."""
+@dataclasses.dataclass(frozen=True)
+class Dense:
+    """y = a @ kernel (+ bias): input a [..., d_in], output [..., d_out]; the kernel is stored
+    [d_in, d_out], or [d_out, d_in] when `transposed` (a decoder reading an embedding table).
+    `mode` picks how the kernel is clipped ("mixed", "ghost", "instantiate": `dense_layer_mode`);
+    speed and memory only, the result is the same."""
 
-    def __init__(self, z: dict[str, jax.Array] | None):
+    kernel: Path
+    bias: Path | None = None
+    transposed: bool = False
+    mode: str = "mixed"
+
+    def __post_init__(self) -> None:
+        if self.mode not in LAYER_MODES:
+            raise ValueError(f"Dense.mode: expected one of {LAYER_MODES}, got {self.mode!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class ScaleBias:
+    """y = xhat * scale + bias elementwise over the last axis (LayerNorm's affine part):
+    input xhat [..., d] (the normalized input), output [..., d]; either parameter may be None."""
+
+    scale: Path | None
+    bias: Path | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Bias:
+    """y = x + bias over the last axis (an output bias): no input, output [..., d]."""
+
+    bias: Path
+
+
+@dataclasses.dataclass(frozen=True)
+class Lookup:
+    """y = table[ids]: input int ids [...], output [..., d] (an embedding lookup). Tables with
+    no more rows than the example has ids get per-example row gradients (one-hot), others a
+    scatter of the output gradients."""
+
+    table: Path
+
+
+@dataclasses.dataclass(frozen=True)
+class Positions:
+    """y[..., l, :] = table[l] for l < L (position embeddings): no input, output [..., L, d];
+    the leading axes (e.g. the sequences of a document) all add to the same rows."""
+
+    table: Path
+
+
+TapKind = Dense | ScaleBias | Bias | Lookup | Positions
+
+
+@dataclasses.dataclass(frozen=True)
+class TapGroup:
+    """Taps (name -> kind) whose parameter paths are full paths in params (`stacked_at` None),
+    or, for a stack of layers, paths inside one layer under the prefix `stacked_at`: every
+    parameter there has a leading layer axis, the group's tap inputs and outputs carry it too,
+    and `scan(f, init, xs)` (`jax.lax.scan` by default; a model may pass its own) runs the
+    core's per-layer norms and sums over it."""
+
+    taps: Mapping[str, TapKind]
+    stacked_at: Path | None = None
+    scan: Callable[..., tuple[Any, Any]] = jax.lax.scan
+
+
+@runtime_checkable
+class GhostLoss(Protocol):
+    """A per-example loss with taps (see the module docstring)."""
+
+    def __call__(self, params: Any, example: Any, rng: jax.Array) -> jax.Array: ...
+
+    def tap_groups(self, params: Any) -> Mapping[str, TapGroup]: ...
+
+    def tapped(
+        self, params: Any, example: Any, rng: jax.Array | None, z: Mapping[str, Any] | None
+    ) -> tuple[jax.Array, Mapping[str, Any], Mapping[str, Any]]: ...
+
+
+class Tape:
+    """Records one group's taps during a traced forward: `tape(name, y, x)` stores the input x
+    and the output y of tap `name` and returns y plus its perturbation (y itself when z is None)."""
+
+    def __init__(self, z: Mapping[str, jax.Array] | None):
         self.z = z
         self.inputs: dict[str, Any] = {}
-        self.outputs: dict[str, jax.ShapeDtypeStruct] = {}
+        self.outputs: dict[str, jax.Array] = {}
 
-    def out(self, name: str, y: jax.Array, record: Any) -> jax.Array:
-        self.inputs[name] = record
-        self.outputs[name] = jax.ShapeDtypeStruct(y.shape, y.dtype)
+    def __call__(self, name: str, y: jax.Array, x: Any = None) -> jax.Array:
+        self.inputs[name] = x
+        self.outputs[name] = y
         return y if self.z is None else y + self.z[name]
-
-    def dense(self, name: str, layer: nnx.Linear, x: jax.Array) -> jax.Array:
-        return self.out(name, layer(x), x)
-
-    def layer_norm(self, name: str, ln: nnx.LayerNorm, x: jax.Array) -> jax.Array:
-        # Same statistics as flax's LayerNorm (float32, fast variance); xhat is the input of the
-        # affine part, whose per-example gradients are sum_t g_t * xhat_t and sum_t g_t.
-        xf = x.astype(_F32)
-        mean = jnp.mean(xf, -1, keepdims=True)
-        var = jnp.maximum(jnp.mean(jnp.square(xf), -1, keepdims=True) - jnp.square(mean), 0.0)
-        xhat = (xf - mean) * jax.lax.rsqrt(var + ln.epsilon)
-        return self.out(name, ln(x), xhat)
-
-
-def _key(path: Path) -> str:
-    return "/".join(str(p) for p in path)
-
-
-# Taps are grouped: "rest" (embeddings, MLM head: one array per example) and "layers" (the
-# encoder's, from the scanned layer body: a leading layer axis, then the example axis once
-# vmapped). `ghost_clipped_grad_sum` vmaps `tapped` with these axes.
-_REST, _LAYERS = "rest", "layers"
-_TAP_AXES = {_REST: 0, _LAYERS: 1}
-_LAYER_PARAMS: Path = ("bert", "encoder", "layer")
-
-
-def _tapped_mlm_forward(
-    model: BertForMaskedLM, example: dict[str, jax.Array], rng: jax.Array | None, z: dict[str, Any] | None
-) -> tuple[jax.Array, dict[str, Any], dict[str, Any]]:
-    """(logits [P, V], tap inputs, tap output shapes) of ONE example: the model's own computation
-    with taps (batch axis of 1 inside, exactly like `functional.mlm_logits` on an unbatched
-    example); the encoder runs the model's scanned layer body, taps inside.
-
-    A document example (`input_ids` [K, L]: K sequences, see `dpbert.privacy.documents`) runs
-    as a batch of K inside and gives logits [K, P, V]: its taps hold all the document's tokens,
-    so the per-example norms below are those of the document's summed gradient."""
-    tape = _Tape(None if z is None else z[_REST])
-    document = example["input_ids"].ndim == 2
-    batched = (lambda x: x) if document else (lambda x: x[None])
-    ids = batched(example["input_ids"])
-    types = example.get("token_type_ids")
-    types = jnp.zeros_like(ids) if types is None else batched(types)
-    mask = example.get("attention_mask")
-    mask = bert_lib._attention_mask(None if mask is None else batched(mask))
-    emb = model.bert.embeddings
-    seq_len = ids.shape[-1]
-    x = (
-        jnp.take(emb.word_embeddings.embedding[...], ids, axis=0)
-        + jnp.take(emb.token_type_embeddings.embedding[...], types, axis=0)
-        + emb.position_embeddings.embedding[...][:seq_len]
-    ).astype(emb.dtype)
-    x = tape.out("embeddings", x, {"ids": ids, "types": types})
-    x = tape.layer_norm(_key(("bert", "embeddings", "LayerNorm")), emb.LayerNorm, x)
-    x = bert_lib.dropout(x, emb.dropout_rate, bert_lib._fold(rng, bert_lib._SITE_EMBEDDINGS))
-
-    layer_shapes: dict[str, jax.ShapeDtypeStruct] = {}
-
-    def body(layer: Any, x: jax.Array, i: jax.Array, z_i: dict[str, jax.Array] | None):
-        layer_tape = _Tape(z_i)
-        x = layer(x, mask, bert_lib.layer_key(rng, i), layer_tape)
-        layer_shapes.update(layer_tape.outputs)  # static shapes, seen while the body is traced
-        return x, layer_tape.inputs
-
-    layers = model.bert.encoder.layer
-    x, layer_inputs = bert_lib.scan_layers(layers, x, body, None if z is None else z[_LAYERS])
-    n = bert_lib.num_stacked(layers)
-    layer_outputs = {k: jax.ShapeDtypeStruct((n, *v.shape), v.dtype) for k, v in layer_shapes.items()}
-
-    positions = example.get("masked_positions")
-    if positions is not None:
-        x = jnp.take_along_axis(x, batched(positions)[:, :, None], axis=1)
-    head = model.cls.predictions
-    tr = head.transform
-    x = bert_lib.ACTIVATIONS[tr.hidden_act](tape.dense(_key(("cls", "predictions", "transform", "dense")), tr.dense, x))
-    x = tape.layer_norm(_key(("cls", "predictions", "transform", "LayerNorm")), tr.LayerNorm, x)
-    if head.decoder is None:
-        table = emb.word_embeddings.embedding[...]
-        logits = jnp.einsum("...h,vh->...v", x, table.astype(head.dtype))
-    else:
-        logits = head.decoder(x)
-    logits = tape.out("logits", logits + head.bias[...].astype(head.dtype), x)
-    logits = logits if document else logits[0]
-    return logits, {_REST: tape.inputs, _LAYERS: layer_inputs}, {_REST: tape.outputs, _LAYERS: layer_outputs}
 
 
 # ---------------------------------------------------------------------------- per-layer algebra
 # Every function below takes float32 taps of a micro-batch of M examples: inputs `a` [M, T, d_in]
 # and output gradients `g` [M, T, d_out].
-
-LAYER_MODES = ("mixed", "ghost", "instantiate")
 
 
 def _flat(x: jax.Array) -> jax.Array:
@@ -219,15 +203,6 @@ def _ghost_sq_norm(a: jax.Array, g: jax.Array) -> jax.Array:
     return jnp.sum(jnp.einsum("mtd,msd->mts", a, a) * jnp.einsum("mtd,msd->mts", g, g), axis=(1, 2))
 
 
-_TYPE_TABLE: Path = ("bert", "embeddings", "token_type_embeddings", "embedding")
-_MLM_BIAS: Path = ("cls", "predictions", "bias")
-
-
-def _path(tap: str) -> Path:
-    """The parameter path prefix of a tap name ("bert/encoder/layer/0/...")."""
-    return tuple(int(p) if p.isdigit() else p for p in tap.split("/"))
-
-
 def _kernels_transposed(a: jax.Array, g: jax.Array) -> bool:
     """Whether `_per_example_kernels` lays out a_i^T g_i as [M, d_out, d_in] (when d_in > d_out)."""
     return a.shape[2] > g.shape[2]
@@ -241,11 +216,13 @@ def _per_example_kernels(a: jax.Array, g: jax.Array) -> jax.Array:
     return jnp.einsum("mti,mto->moi" if _kernels_transposed(a, g) else "mti,mto->mio", a, g)
 
 
-def _weighted_outer(a: jax.Array, g: jax.Array, w: jax.Array) -> jax.Array:
-    """sum_i w_i a_i^T g_i [d_in, d_out]; w multiplies the smaller operand (fewer bytes moved)."""
+def _weighted_outer(a: jax.Array, g: jax.Array, w: jax.Array, transposed: bool) -> jax.Array:
+    """sum_i w_i a_i^T g_i, [d_in, d_out] ([d_out, d_in] when `transposed`); w multiplies the
+    smaller operand (fewer bytes moved)."""
+    spec = "mti,mto->oi" if transposed else "mti,mto->io"
     if a.shape[2] <= g.shape[2]:
-        return jnp.einsum("mti,mto->io", a * w[:, None, None], g)
-    return jnp.einsum("mti,mto->io", a, g * w[:, None, None])
+        return jnp.einsum(spec, a * w[:, None, None], g)
+    return jnp.einsum(spec, a, g * w[:, None, None])
 
 
 # Micro-batches up to this size sum per-example gradients as an unrolled chain of M
@@ -275,241 +252,277 @@ def _where_kept(keep: jax.Array, x: jax.Array) -> jax.Array:
     return jnp.where(keep.reshape((-1,) + (1,) * (x.ndim - 1)), x, jnp.zeros((), x.dtype))
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class MLMGhostLoss:
-    """Per-example masked-LM loss of a dpbert `BertForMaskedLM`, with ghost clipping support.
-
-    `example` holds `input_ids` [L], `masked_positions` [P], `labels` [P], `label_weights` [P]
-    and optionally `attention_mask` [L] and `token_type_ids` [L] (zeros when absent).
-    `loss_from_logits(logits [P, V], example) -> scalar` defaults to the weighted mean
-    cross-entropy. `layer_mode` ("mixed", "ghost" or "instantiate", see `dense_layer_mode`)
-    picks how each dense kernel is clipped: speed and memory only, the result is the same.
-    Call it as a plain `loss_fn(params, example, rng)`.
-    """
-
-    graphdef: nnx.GraphDef
-    loss_from_logits: Callable[[jax.Array, dict[str, jax.Array]], jax.Array] = mlm_loss_from_logits
-    layer_mode: str = "mixed"
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.graphdef, nnx.GraphDef):
-            raise ValueError(f"graphdef: expected an nnx.GraphDef, got {type(self.graphdef).__name__}")
-        if not callable(self.loss_from_logits):
-            raise ValueError("loss_from_logits: expected a callable (logits, example) -> scalar")
-        if self.layer_mode not in LAYER_MODES:
-            raise ValueError(f"layer_mode: expected one of {LAYER_MODES}, got {self.layer_mode!r}")
-
-    def __call__(self, params: Any, example: dict[str, jax.Array], rng: jax.Array) -> jax.Array:
-        return self.tapped(params, example, rng, None)[0]
-
-    def tapped(self, params: Any, example: dict[str, jax.Array], rng: jax.Array | None, z: dict | None):
-        """(loss, tap inputs, tap output shapes) of one example, z added at each tap output.
-
-        Taps come in two groups: "rest" (embeddings and MLM head) and "layers" (the encoder's
-        scanned layer body, every array with a leading layer axis); `ghost_clipped_grad_sum`
-        vmaps this over examples with the example axis after the layer axis (`_TAP_AXES`)."""
-        model = merge(self.graphdef, params)
-        if not isinstance(model, BertForMaskedLM):
-            raise ValueError(f"graphdef: expected a BertForMaskedLM, got {type(model).__name__}")
-        logits, inputs, outputs = _tapped_mlm_forward(model, example, rng, z)
-        if SEQUENCE_PADDING not in example:
-            return self.loss_from_logits(logits, example), inputs, outputs
-        # A document: the sum of its real sequences' losses (`dpbert.privacy.documents`).
-        padding = example[SEQUENCE_PADDING]
-        sequences = {k: v for k, v in example.items() if k != SEQUENCE_PADDING}
-        losses = jax.vmap(self.loss_from_logits)(logits, sequences)
-        return jnp.sum(jnp.where(padding, 0.0, losses.astype(_F32))), inputs, outputs
-
-    def _tap_sq_norms(
-        self, inputs: dict[str, Any], grads: dict[str, jax.Array]
-    ) -> tuple[jax.Array | float, dict[Path, jax.Array]]:
-        """(summed ghost squared norms [M] of the dense taps clipped by ghost norms, the
-        per-example gradients of the others: biases, LayerNorm scales, instantiated kernels),
-        keyed by the tap's parameter path."""
-        total: jax.Array | float = 0.0
-        per_example: dict[Path, jax.Array] = {}
-        for name, g in grads.items():
-            if name in ("embeddings", "logits"):
-                continue
-            path = _path(name)
-            a, g = _flat(inputs[name]), _flat(g)
-            per_example[path + ("bias",)] = jnp.sum(g, axis=1)
-            if name.endswith("LayerNorm"):
-                per_example[path + ("scale",)] = jnp.sum(g * a, axis=1)
-            elif dense_layer_mode(self.layer_mode, a.shape[1], a.shape[2], g.shape[2]) == "instantiate":
-                per_example[path + ("kernel",)] = _per_example_kernels(a, g)
-            else:
-                total += _ghost_sq_norm(a, g)
-        return total, per_example
-
-    def sq_norms(
-        self, params: Any, inputs: dict[str, Any], grads: dict[str, Any]
-    ) -> tuple[jax.Array, dict[str, dict[Path, jax.Array]]]:
-        """(squared norm [M] of each example's whole gradient, the per-example gradients that the
-        norm was computed from: {"rest": {path: [M, ...]}, "layers": {path inside a layer:
-        [L, M, ...]}}: biases, LayerNorm scales, token-type and MLM-bias rows, and the kernels
-        clipped by instantiation, `_per_example_kernels`). `weighted_sums` reuses them instead of
-        reading the taps again. The encoder's layers are done by one `lax.scan` over the layer
-        axis (one compiled body, whatever the depth)."""
-        total, rest = self._tap_sq_norms(inputs[_REST], grads[_REST])
-        embedding_total, embedding_rows = self._embedding_sq_norms(params, inputs[_REST], grads[_REST])
-        rest |= embedding_rows
-        total = total + embedding_total + sum(_sq(x) for x in rest.values())
-
-        def layer(total: jax.Array, taps: tuple[dict[str, Any], dict[str, jax.Array]]):
-            layer_total, per_example = self._tap_sq_norms(*taps)
-            return total + layer_total + sum(_sq(x) for x in per_example.values()), per_example
-
-        # The carry starts from the other taps' total: it varies per device like them under shard_map.
-        total, layers = bert_lib.layer_scan(layer, total, (inputs[_LAYERS], grads[_LAYERS]))
-        return total, {_REST: rest, _LAYERS: layers}
-
-    def _embedding_sq_norms(
-        self, params: Any, inputs: dict[str, Any], grads: dict[str, jax.Array]
-    ) -> tuple[jax.Array, dict[Path, jax.Array]]:
-        """(squared norms of the word and position tables, tied decoder included; the per-example
-        token-type and MLM-bias gradients, whose norms the caller adds)."""
-        m, seq_len = grads["embeddings"].shape[0], inputs["embeddings"]["ids"].shape[-1]
-        ids = inputs["embeddings"]["ids"].reshape(m, -1)
-        types = inputs["embeddings"]["types"].reshape(ids.shape)
-        g = _flat(grads["embeddings"])  # [M, T, H]: gradient of each lookup's output row (T = K L tokens)
-        e = _flat(grads["logits"])  # [M, P, V]: gradient of the logits
-        x = _flat(inputs["logits"])  # [M, P, H]: decoder input
-        n_types = params["bert"]["embeddings"]["token_type_embeddings"]["embedding"].shape[0]
-        rows = {
-            _TYPE_TABLE: jnp.einsum("mtk,mth->mkh", jax.nn.one_hot(types, n_types, dtype=_F32), g),
-            _MLM_BIAS: jnp.sum(e, axis=1),
-        }
-        # Position row p receives the gradients of the tokens at position p of each of the
-        # example's K sequences (K = 1 for a sequence, up to max_sequences_per_document for a document).
-        total = _sq(jnp.sum(g.reshape(m, -1, seq_len, g.shape[-1]), axis=1))
-        # Each word-table row receives the sum of its tokens' gradients: add every token's gradient
-        # at its id's first position (an L x L id comparison and a scatter; the L^2 H Gram of g
-        # it replaces took 1.6x longer on CPU for tiny BERT).
-        first = jnp.argmax(ids[:, :, None] == ids[:, None, :], axis=2)
-        word_in = _sq(jnp.zeros_like(g).at[jnp.arange(g.shape[0])[:, None], first].add(g))
-        # The decoder decodes only the P masked positions: its ghost norm (P^2 (H + V)) is far
-        # cheaper than a [V, H] gradient per example.
-        decoder = _ghost_sq_norm(x, e)
-        if self._tied(params):
-            e_at_ids = jnp.take_along_axis(e, ids[:, None, :], axis=2)  # [M, P, L]: e_p[id_t]
-            cross = jnp.sum(e_at_ids * jnp.einsum("mph,mth->mpt", x, g), axis=(1, 2))
-            return total + word_in + decoder + 2.0 * cross, rows
-        return total + word_in + decoder, rows
-
-    @staticmethod
-    def _tied(params: Any) -> bool:
-        return "decoder" not in params["cls"]["predictions"]
-
-    def _tap_weighted_sums(
-        self, inputs: dict[str, Any], grads: dict[str, jax.Array], w: jax.Array, per_example: dict[Path, jax.Array]
-    ) -> dict[Path, jax.Array]:
-        """sum_i w_i grad_i of the dense and LayerNorm taps' parameters, keyed by parameter path."""
-        out = {path: _weighted_example_sum(x, w) for path, x in per_example.items()}
-        for name, g in grads.items():
-            if name in ("embeddings", "logits") or name.endswith("LayerNorm"):
-                continue
-            kernel = _path(name) + ("kernel",)
-            a, g = _flat(inputs[name]), _flat(g)
-            if kernel not in out:
-                out[kernel] = _weighted_outer(a, g, w)
-            elif _kernels_transposed(a, g):
-                out[kernel] = out[kernel].T
-        return out
-
-    def weighted_sums(
-        self,
-        params: Any,
-        inputs: dict[str, Any],
-        grads: dict[str, Any],
-        w: jax.Array,
-        per_example: dict[str, dict[Path, jax.Array]],
-        clean: Callable[[jax.Array], jax.Array] = lambda x: x,
-    ) -> dict[Path, jax.Array]:
-        """sum_i w_i grad_i for every parameter, keyed by parameter path (float32); the encoder's
-        stacked parameters [L, ...] by one `lax.scan` over the layer axis. `clean` is applied to
-        every float tap, output gradient and per-example gradient of one micro-batch ([M, ...])
-        before it is used (the caller zeroes the rows of dropped examples with it)."""
-
-        def cleaned(tree: Any) -> Any:
-            return jax.tree_util.tree_map(lambda x: clean(x) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)
-
-        rest_in, rest_g, rest_pe = cleaned((inputs[_REST], grads[_REST], per_example[_REST]))
-        out = self._tap_weighted_sums(rest_in, rest_g, w, rest_pe)
-        out |= self._embedding_weighted_sums(params, rest_in, rest_g, w)
-
-        def layer(carry: None, taps: tuple[Any, Any, Any]) -> tuple[None, dict[Path, jax.Array]]:
-            return None, self._tap_weighted_sums(*cleaned(taps[:2]), w, cleaned(taps[2]))
-
-        _, layers = bert_lib.layer_scan(layer, None, (inputs[_LAYERS], grads[_LAYERS], per_example[_LAYERS]))
-        out |= {_LAYER_PARAMS + path: x for path, x in layers.items()}
-        return out
-
-    def _embedding_weighted_sums(
-        self, params: Any, inputs: dict[str, Any], grads: dict[str, jax.Array], w: jax.Array
-    ) -> dict[Path, jax.Array]:
-        """sum_i w_i grad_i of the word and position tables and of the untied decoder."""
-        out = {}
-        m = w.shape[0]
-        seq_len = inputs["embeddings"]["ids"].shape[-1]
-        ids = inputs["embeddings"]["ids"].reshape(m, -1)
-        g = _flat(grads["embeddings"]) * w[:, None, None]
-        e = _flat(grads["logits"])
-        x = _flat(inputs["logits"]) * w[:, None, None]  # [M, P, H]: far smaller than e [M, P, V]
-        emb = params["bert"]["embeddings"]
-        table = emb["word_embeddings"]["embedding"]
-        pos_table = emb["position_embeddings"]["embedding"]
-        word = jnp.zeros(table.shape, _F32).at[ids.reshape(-1)].add(g.reshape(-1, g.shape[-1]))
-        decoder = jnp.einsum("mpv,mph->vh", e, x)
-        if self._tied(params):
-            word = word + decoder
-        else:
-            out[("cls", "predictions", "decoder", "kernel")] = decoder.T
-        out[("bert", "embeddings", "word_embeddings", "embedding")] = word
-        out[("bert", "embeddings", "position_embeddings", "embedding")] = (
-            jnp.zeros(pos_table.shape, _F32).at[:seq_len].set(jnp.sum(g.reshape(-1, seq_len, g.shape[-1]), axis=0))
-        )
-        return out
+# ---------------------------------------------------------------------------- per-tap rules
 
 
 def _param_path(path: tuple[Any, ...]) -> Path:
     return tuple(k.key if hasattr(k, "key") else k.idx for k in path if hasattr(k, "key") or hasattr(k, "idx"))
 
 
-def _ghost_norms(loss: MLMGhostLoss, params: Any, examples: Any, keys: jax.Array, like: jax.Array):
+def _tap_params(tap: TapKind) -> list[Path]:
+    if isinstance(tap, Dense):
+        return [tap.kernel] + ([] if tap.bias is None else [tap.bias])
+    if isinstance(tap, ScaleBias):
+        return [p for p in (tap.scale, tap.bias) if p is not None]
+    if isinstance(tap, Bias):
+        return [tap.bias]
+    if isinstance(tap, Lookup | Positions):
+        return [tap.table]
+    raise ValueError(f"tap kind: expected one of Dense, ScaleBias, Bias, Lookup, Positions, got {type(tap).__name__}")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Group:
+    """A checked `TapGroup`: its parameters' shapes (one layer's, for a stack) and its tied
+    pairs (table path -> (Lookup tap, transposed Dense tap))."""
+
+    spec: TapGroup
+    shapes: dict[Path, tuple[int, ...]]
+    tied: dict[Path, tuple[str, str]]
+
+    @property
+    def stacked(self) -> bool:
+        return self.spec.stacked_at is not None
+
+    def full(self, path: Path) -> Path:
+        return (*self.spec.stacked_at, *path) if self.stacked else path
+
+
+def _plan(loss: GhostLoss, params: Any) -> dict[str, _Group]:
+    """The loss's tap groups, checked against params: every parameter covered exactly once (a
+    tied Lookup + transposed Dense pair excepted), every tapped path a parameter."""
+    groups = loss.tap_groups(params)
+    leaves = {_param_path(p): tuple(x.shape) for p, x in jax.tree_util.tree_leaves_with_path(params)}
+    owners: dict[Path, list[tuple[str, str, Path, TapKind]]] = {}
+    shapes: dict[str, dict[Path, tuple[int, ...]]] = {}
+    for group_name, spec in groups.items():
+        if not isinstance(spec, TapGroup):
+            raise ValueError(f"tap_groups()[{group_name!r}]: expected a TapGroup, got {type(spec).__name__}")
+        prefix = () if spec.stacked_at is None else tuple(spec.stacked_at)
+        shapes[group_name] = {}
+        for name, tap in spec.taps.items():
+            for rel in _tap_params(tap):
+                path = (*prefix, *rel)
+                if path not in leaves:
+                    raise ValueError(f"tap {group_name}/{name}: {'/'.join(map(str, path))} is not a parameter")
+                shapes[group_name][rel] = leaves[path][1:] if spec.stacked_at is not None else leaves[path]
+                owners.setdefault(path, []).append((group_name, name, rel, tap))
+    tied: dict[str, dict[Path, tuple[str, str]]] = {name: {} for name in groups}
+    for path, users in owners.items():
+        if len(users) == 1:
+            continue
+        by_kind = {type(tap): (group, name, rel, tap) for group, name, rel, tap in users}
+        lookup, dense = by_kind.get(Lookup), by_kind.get(Dense)
+        if len(users) == 2 and lookup and dense and lookup[0] == dense[0] and dense[3].transposed:
+            tied[lookup[0]][lookup[2]] = (lookup[1], dense[1])
+            continue
+        raise ValueError(
+            f"{'/'.join(map(str, path))} is tapped by {', '.join(f'{g}/{n}' for g, n, _, _ in users)}: a parameter "
+            "has one tap, or a Lookup and a transposed Dense (a tied decoder) in the same group"
+        )
+    missing = ["/".join(map(str, p)) for p in leaves if p not in owners]
+    if missing:
+        raise ValueError(f"ghost clipping: parameters without a tap would escape clipping: {missing}")
+    return {name: _Group(spec, shapes[name], tied[name]) for name, spec in groups.items()}
+
+
+def _dense_instantiated(tap: Dense, a: jax.Array, g: jax.Array, tied: bool) -> bool:
+    # A tied decoder's kernel is a whole table: never per example.
+    return not tied and dense_layer_mode(tap.mode, a.shape[1], a.shape[2], g.shape[2]) == "instantiate"
+
+
+def _lookup_instantiated(ids: jax.Array, n_rows: int) -> bool:
+    return n_rows <= ids.shape[1]
+
+
+def _group_sq_norms(
+    group: _Group, inputs: Mapping[str, Any], grads: Mapping[str, jax.Array]
+) -> tuple[jax.Array, dict[Path, jax.Array]]:
+    """(squared norm [M] of the group's part of each example's gradient, the per-example
+    gradients it was computed from, keyed by the path inside the group: biases, scales,
+    small tables' rows, instantiated kernels laid out as `_per_example_kernels`)."""
+    total: jax.Array | float = 0.0
+    per_example: dict[Path, jax.Array] = {}
+    tied_dense = {dense for _, dense in group.tied.values()}
+    for name, tap in group.spec.taps.items():
+        g = grads[name]
+        m = g.shape[0]
+        if isinstance(tap, Dense):
+            a, g = _flat(inputs[name]), _flat(g)
+            if tap.bias is not None:
+                per_example[tap.bias] = jnp.sum(g, axis=1)
+            if _dense_instantiated(tap, a, g, name in tied_dense):
+                per_example[tap.kernel] = _per_example_kernels(a, g)
+            else:
+                total += _ghost_sq_norm(a, g)
+        elif isinstance(tap, ScaleBias):
+            a, g = _flat(inputs[name]), _flat(g)
+            if tap.scale is not None:
+                per_example[tap.scale] = jnp.sum(g * a, axis=1)
+            if tap.bias is not None:
+                per_example[tap.bias] = jnp.sum(g, axis=1)
+        elif isinstance(tap, Bias):
+            per_example[tap.bias] = jnp.sum(_flat(g), axis=1)
+        elif isinstance(tap, Lookup):
+            ids, g = inputs[name].reshape(m, -1), _flat(g)
+            n_rows = group.shapes[tap.table][0]
+            if _lookup_instantiated(ids, n_rows):
+                per_example[tap.table] = jnp.einsum("mtk,mth->mkh", jax.nn.one_hot(ids, n_rows, dtype=_F32), g)
+            else:
+                # Each row receives the sum of its tokens' gradients: add every token's gradient at
+                # its id's first position (a T x T id comparison and a scatter; the T^2 d Gram of g
+                # it replaces took 1.6x longer on CPU for tiny BERT).
+                first = jnp.argmax(ids[:, :, None] == ids[:, None, :], axis=2)
+                total += _sq(jnp.zeros_like(g).at[jnp.arange(m)[:, None], first].add(g))
+        else:  # Positions: row l receives the gradients at position l of every leading index.
+            total += _sq(jnp.sum(g.reshape(m, -1, *g.shape[-2:]).astype(_F32), axis=1))
+    for lookup, dense in group.tied.values():
+        ids = inputs[lookup].reshape(grads[lookup].shape[0], -1)
+        g, x, e = _flat(grads[lookup]), _flat(inputs[dense]), _flat(grads[dense])
+        e_at_ids = jnp.take_along_axis(e, ids[:, None, :], axis=2)  # [M, P, T]: e_p[id_t]
+        total += 2.0 * jnp.sum(e_at_ids * jnp.einsum("mph,mth->mpt", x, g), axis=(1, 2))
+    return total + sum(_sq(x) for x in per_example.values()), per_example
+
+
+def _group_weighted_sums(
+    group: _Group,
+    inputs: Mapping[str, Any],
+    grads: Mapping[str, jax.Array],
+    w: jax.Array,
+    per_example: Mapping[Path, jax.Array],
+) -> dict[Path, jax.Array]:
+    """sum_i w_i grad_i of the group's parameters (float32), keyed by the path inside the group."""
+    out = {path: _weighted_example_sum(x, w) for path, x in per_example.items()}
+
+    def add(path: Path, x: jax.Array) -> None:
+        out[path] = out[path] + x if path in out else x
+
+    tied_dense = {dense for _, dense in group.tied.values()}
+    for name, tap in group.spec.taps.items():
+        g = grads[name]
+        if isinstance(tap, Dense):
+            a, g = _flat(inputs[name]), _flat(g)
+            if not _dense_instantiated(tap, a, g, name in tied_dense):
+                add(tap.kernel, _weighted_outer(a, g, w, tap.transposed))
+            elif _kernels_transposed(a, g) != tap.transposed:
+                out[tap.kernel] = out[tap.kernel].T
+        elif isinstance(tap, Lookup):
+            ids, g = inputs[name].reshape(g.shape[0], -1), _flat(g)
+            shape = group.shapes[tap.table]
+            if not _lookup_instantiated(ids, shape[0]):
+                g = g * w[:, None, None]
+                add(tap.table, jnp.zeros(shape, _F32).at[ids.reshape(-1)].add(g.reshape(-1, g.shape[-1])))
+        elif isinstance(tap, Positions):
+            length = g.shape[-2]
+            rows = jnp.sum((_flat(g) * w[:, None, None]).reshape(-1, length, g.shape[-1]), axis=0)
+            add(tap.table, jnp.zeros(group.shapes[tap.table], _F32).at[:length].set(rows))
+    return out
+
+
+# ---------------------------------------------------------------------------- the clipped sum
+
+
+def _sq_norms(
+    plan: dict[str, _Group], inputs: Mapping[str, Any], grads: Mapping[str, Any], zero: jax.Array
+) -> tuple[jax.Array, dict[str, dict[Path, jax.Array]]]:
+    """(squared norm [M] of each example's whole gradient, per-example gradients per group;
+    a stacked group's with their leading layer axis, from one scan over it)."""
+    total, per_example = zero, {}
+    for name, group in plan.items():
+        if not group.stacked:
+            part, per_example[name] = _group_sq_norms(group, inputs[name], grads[name])
+            total = total + part
+            continue
+
+        def layer(total: jax.Array, taps: tuple[Any, Any], group: _Group = group):
+            part, pe = _group_sq_norms(group, *taps)
+            return total + part, pe
+
+        # The carry starts from the other taps' total: it varies per device like them under shard_map.
+        total, per_example[name] = group.spec.scan(layer, total, (inputs[name], grads[name]))
+    return total, per_example
+
+
+def _weighted_sums(
+    plan: dict[str, _Group],
+    inputs: Mapping[str, Any],
+    grads: Mapping[str, Any],
+    w: jax.Array,
+    per_example: Mapping[str, Any],
+    clean: Callable[[jax.Array], jax.Array],
+) -> dict[Path, jax.Array]:
+    """sum_i w_i grad_i for every parameter, keyed by its full path (float32). `clean` is applied
+    to every float tap input, output gradient and per-example gradient ([M, ...]) first."""
+
+    def cleaned(tree: Any) -> Any:
+        return jax.tree_util.tree_map(lambda x: clean(x) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)
+
+    out = {}
+    for name, group in plan.items():
+        if not group.stacked:
+            sums = _group_weighted_sums(group, *cleaned((inputs[name], grads[name])), w, cleaned(per_example[name]))
+        else:
+
+            def layer(carry: None, taps: tuple[Any, Any, Any], group: _Group = group):
+                return None, _group_weighted_sums(group, *cleaned(taps[:2]), w, cleaned(taps[2]))
+
+            _, sums = group.spec.scan(layer, None, (inputs[name], grads[name], per_example[name]))
+        out |= {group.full(path): x for path, x in sums.items()}
+    return out
+
+
+def _ghost_norms(
+    loss: GhostLoss, plan: dict[str, _Group], params: Any, examples: Any, keys: jax.Array, like: jax.Array
+):
     """(losses [M], squared gradient norms [M], per-example gradients, tap inputs, output
     gradients) of one micro-batch: one tapped forward and one backward to the tap outputs.
     `like` ([M], e.g. the padding mask) types the zero perturbations (see below)."""
-    # Examples vmapped; the encoder's taps keep their layer axis first (`_TAP_AXES`), so the
-    # scans over layers in `sq_norms` and `weighted_sums` read them without a transpose.
-    tapped = jax.vmap(
-        lambda p, e, k, z: loss.tapped(p, e, k, z)[:2], in_axes=(None, 0, 0, _TAP_AXES), out_axes=(0, _TAP_AXES)
-    )
+    # Examples vmapped; a stacked group keeps its layer axis first, so the scans over layers
+    # read its taps without a transpose.
+    axes = {name: 1 if group.stacked else 0 for name, group in plan.items()}
     shapes = jax.eval_shape(
-        jax.vmap(lambda p, e, k: loss.tapped(p, e, k, None)[2], in_axes=(None, 0, 0), out_axes=_TAP_AXES),
+        jax.vmap(lambda p, e, k: loss.tapped(p, e, k, None)[2], in_axes=(None, 0, 0), out_axes=axes),
         params,
         examples,
         keys,
     )
+    if set(shapes) != set(plan):
+        raise ValueError(f"tapped(): output groups {sorted(shapes)} differ from tap_groups() {sorted(plan)}")
+    for name, group in plan.items():
+        if set(shapes[name]) != set(group.spec.taps):
+            raise ValueError(
+                f"tapped(): group {name!r} recorded taps {sorted(shapes[name])}, declared {sorted(group.spec.taps)}"
+            )
+    tapped = jax.vmap(lambda p, e, k, z: loss.tapped(p, e, k, z)[:2], in_axes=(None, 0, 0, axes), out_axes=(0, axes))
     # Zeros shaped like the taps but typed like `like`: under shard_map they vary per device,
     # so each device's output gradients stay its own examples' (not a sum over devices).
     z = jax.tree_util.tree_map(lambda s: jnp.zeros_like(like, shape=s.shape, dtype=s.dtype), shapes)
     # Params are closed over: the backward pass stops at the layer outputs (no weight grads).
     losses, vjp, inputs = jax.vjp(lambda z: tapped(params, examples, keys, z), z, has_aux=True)
     (out_grads,) = vjp(jnp.ones_like(losses))
-    sq_norms, per_example = loss.sq_norms(params, inputs, out_grads)
+    sq_norms, per_example = _sq_norms(plan, inputs, out_grads, jnp.zeros_like(like, dtype=_F32))
     return losses, sq_norms, per_example, inputs, out_grads
 
 
-def ghost_sq_norms(loss: MLMGhostLoss, params: Any, examples: Any, keys: jax.Array) -> tuple[jax.Array, jax.Array]:
+def _check_loss(loss: Any) -> None:
+    if not isinstance(loss, GhostLoss):
+        raise ValueError(
+            f"loss_fn: the ghost clipping path needs a loss with taps (the GhostLoss interface of "
+            f"dpbert.privacy.ghost_clipping), got {type(loss).__name__}; use clipping_method='vmap' for other losses"
+        )
+
+
+def ghost_sq_norms(loss: GhostLoss, params: Any, examples: Any, keys: jax.Array) -> tuple[jax.Array, jax.Array]:
     """(losses [M], squared norms [M] of each example's whole gradient) by ghost norms, example i
-    with dropout key keys[i]: the quantities `ghost_clipped_grad_sum` clips with (diagnostics, tests)."""
-    losses, sq_norms, *_ = _ghost_norms(loss, params, examples, keys, jnp.zeros(keys.shape[:1], jnp.bool_))
+    with key keys[i]: the quantities `ghost_clipped_grad_sum` clips with (diagnostics, tests)."""
+    _check_loss(loss)
+    plan = _plan(loss, params)
+    losses, sq_norms, *_ = _ghost_norms(loss, plan, params, examples, keys, jnp.zeros(keys.shape[:1], jnp.bool_))
     return losses, sq_norms
 
 
 def ghost_clipped_grad_sum(
-    loss: MLMGhostLoss,
+    loss: GhostLoss,
     params: Any,
     batch: Any,
     is_padding: jax.Array,
@@ -520,25 +533,23 @@ def ghost_clipped_grad_sum(
     position_offset: int | jax.Array = 0,
 ) -> tuple[Any, ClipStats]:
     """`clipping.clipped_grad_sum` by ghost norms and book-keeping (same arguments, same result
-    to float tolerance, same guarantees); `loss` must expose taps (an `MLMGhostLoss`)."""
-    if not isinstance(loss, MLMGhostLoss):
-        raise ValueError(
-            f"loss_fn: the ghost clipping path needs an MLMGhostLoss (a loss with layer taps), "
-            f"got {type(loss).__name__}; use clipping_method='vmap' for other losses"
-        )
+    to float tolerance, same guarantees); `loss` must be a `GhostLoss` whose taps cover every
+    parameter (ValueError otherwise)."""
+    _check_loss(loss)
     if not clip_norm > 0:
         raise ValueError(f"clip_norm must be > 0, got {clip_norm!r}")
-    leaves = {_param_path(p): leaf for p, leaf in jax.tree_util.tree_leaves_with_path(params)}
+    plan = _plan(loss, params)
+    paths = [_param_path(p) for p, _ in jax.tree_util.tree_leaves_with_path(params)]
 
     def one_microbatch(carry: tuple[dict[Path, jax.Array], ClipStats], xs: tuple[Any, jax.Array, jax.Array]):
         total, stats = carry
         examples, padding, index = xs
         keys = example_keys(rng, position_offset, index, microbatch_size)
-        losses, sq_norms, per_example, inputs, out_grads = _ghost_norms(loss, params, examples, keys, padding)
+        losses, sq_norms, per_example, inputs, out_grads = _ghost_norms(loss, plan, params, examples, keys, padding)
         keep, scale, stats = clip_scale(stats, jnp.sqrt(sq_norms), losses, padding, clip_norm)
 
         def weighted_sums(clean: Callable[[jax.Array], jax.Array]) -> dict[Path, jax.Array]:
-            return loss.weighted_sums(params, inputs, out_grads, scale, per_example, clean)
+            return _weighted_sums(plan, inputs, out_grads, scale, per_example, clean)
 
         # Every tap enters its example's squared norm multiplied by itself, so finite norms mean
         # finite taps, and a factor of 0 (padding, non-finite loss) then gives exact zeros. Only a
@@ -550,91 +561,10 @@ def ghost_clipped_grad_sum(
             lambda: weighted_sums(lambda x: x),
             lambda: weighted_sums(lambda x: _where_kept(keep, x)),
         )
-        if set(sums) != set(total):
-            # A parameter without a tap would silently escape clipping: refuse instead.
-            raise ValueError(
-                f"ghost clipping does not match the parameters: missing {sorted(set(total) - set(sums))}, "
-                f"unknown {sorted(set(sums) - set(total))}"
-            )
         return ({k: total[k] + sums[k] for k in total}, stats), None
 
-    init_total = {k: jnp.zeros(v.shape, _F32) for k, v in leaves.items()}
+    leaves = jax.tree_util.tree_leaves(params)
+    init_total = {p: jnp.zeros(x.shape, _F32) for p, x in zip(paths, leaves, strict=True)}
     total, stats = scan_microbatches(one_microbatch, init_total, batch, is_padding, microbatch_size)
-    paths = [_param_path(p) for p, _ in jax.tree_util.tree_leaves_with_path(params)]
     grads = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(params), [total[p] for p in paths])
     return grads, stats
-
-
-CLIPPING_METHODS = ("vmap", "ghost", "auto")
-_AUTO_CHOICES: dict[Any, str] = {}
-
-
-def time_clipping_methods(
-    loss: MLMGhostLoss, params: Any, batch: Any, *, clip_norm: float, microbatch_size: int, repeats: int = 3
-) -> dict[str, float]:
-    """Seconds per micro-batch of each clipping method, measured on placeholder inputs with the
-    shapes of `params` and of one micro-batch of `batch` (never on private data; arrays or
-    ShapeDtypeStructs are accepted). Best of `repeats` runs after one warm-up."""
-    # Concrete evaluation even when called while an outer step is being traced.
-    with jax.ensure_compile_time_eval():
-        p = jax.tree_util.tree_map(placeholder, params)
-        b = jax.tree_util.tree_map(
-            lambda x: placeholder(jax.ShapeDtypeStruct(x.shape[1:], x.dtype), microbatch_size), batch
-        )
-        pad = np.zeros((microbatch_size,), np.bool_)
-        key = jax.random.key(0)
-        seconds = {}
-        for name, impl in {"vmap": clipped_grad_sum_vmap, "ghost": ghost_clipped_grad_sum}.items():
-            fn = (
-                jax.jit(
-                    lambda p, b, impl=impl: impl(
-                        loss, p, b, pad, key, clip_norm=clip_norm, microbatch_size=microbatch_size
-                    )
-                )
-                .lower(p, b)
-                .compile()
-            )
-            seconds[name] = best_seconds(lambda fn=fn: fn(p, b), repeats)
-    return seconds
-
-
-def clipped_sum_for(method: str, loss_fn: Any) -> Callable[..., tuple[Any, ClipStats]]:
-    """The clipped-sum function (signature of `clipping.clipped_grad_sum`) for `method`.
-
-    "vmap": per-example gradients by vmap (any loss). "ghost": ghost norms + book-keeping
-    (needs an `MLMGhostLoss`). "auto": for an `MLMGhostLoss`, the faster of the two for the
-    model and shapes, timed once per shape on placeholder inputs when the step is traced
-    (the choice never depends on data); for any other loss, "vmap". The result, the noise and
-    the accounting are the same whichever method runs.
-    """
-    if method not in CLIPPING_METHODS:
-        raise ValueError(f"clipping_method: expected one of {CLIPPING_METHODS}, got {method!r}")
-    ghost_capable = isinstance(loss_fn, MLMGhostLoss)
-    if method == "vmap" or (method == "auto" and not ghost_capable):
-        return clipped_grad_sum_vmap
-    if not ghost_capable:
-        raise ValueError(
-            f"clipping_method='ghost' needs a loss with layer taps (MLMGhostLoss), got {type(loss_fn).__name__}"
-        )
-    if method == "ghost":
-        return ghost_clipped_grad_sum
-
-    def auto(loss, params, batch, is_padding, rng, *, clip_norm, microbatch_size, position_offset=0):
-        shapes = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), (params, batch))
-        signature = (loss, str(shapes), microbatch_size)
-        if signature not in _AUTO_CHOICES:
-            seconds = time_clipping_methods(loss, *shapes, clip_norm=clip_norm, microbatch_size=microbatch_size)
-            _AUTO_CHOICES[signature] = min(seconds, key=seconds.get)
-        impl = ghost_clipped_grad_sum if _AUTO_CHOICES[signature] == "ghost" else clipped_grad_sum_vmap
-        return impl(
-            loss,
-            params,
-            batch,
-            is_padding,
-            rng,
-            clip_norm=clip_norm,
-            microbatch_size=microbatch_size,
-            position_offset=position_offset,
-        )
-
-    return auto

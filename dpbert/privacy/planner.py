@@ -7,7 +7,7 @@ much more slowly than B. The price is fewer steps (T = examples / B).
 
 `plan_batch_sizes(...)` calibrates, for each candidate B, one DP-SGD stage of T steps on N
 examples to the target (epsilon, delta) with `dpbert.privacy.accounting.calibrate_noise_multiplier`,
-the very function a training run's plan calls (`dpbert.train.pretrain.make_plan`), so a
+the very function a training run's plan calls (`dpbert.config.plan.make_plan`), so a
 recipe with the same N, B, T, delta and accountant trains with exactly the sigma shown.
 
 Columns: sigma (noise multiplier), sigma/B (noise std of the averaged gradient per unit of
@@ -23,6 +23,8 @@ sigma/sqrt(B) by less than `min_gain`): past it the run only loses steps.
 from __future__ import annotations
 
 import dataclasses
+import json
+import logging
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -193,8 +195,6 @@ def quiet_accountant_warnings() -> None:
     order it cannot evaluate is left out of the minimum over orders, which can only make the
     reported epsilon larger (conservative); printed once per order and calibration probe, they
     bury the output of a command-line run."""
-    import logging
-
     logging.getLogger("absl").setLevel(logging.ERROR)
 
 
@@ -217,8 +217,6 @@ def format_plan(plan: BatchPlan) -> str:
 
 def plan_main(args: Any) -> int:
     """`dpbert plan` entry point (argparse namespace from dpbert.cli)."""
-    import json
-
     quiet_accountant_warnings()
 
     sizes = (

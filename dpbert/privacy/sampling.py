@@ -104,6 +104,24 @@ def _distinct_uniform(rng: np.random.Generator, n: int, k: int) -> np.ndarray:
     return out
 
 
+def _uniform_subsets(rng: np.random.Generator, lengths: np.ndarray, cap: int) -> np.ndarray:
+    """Row r: a uniform min(cap, lengths[r])-subset of [0, lengths[r]), sorted, padded with -1 to
+    [R, cap]. Floyd's algorithm, one vectorised draw per column: at column i each row draws t
+    uniform in [0, j] with j = n - k + i, and takes j instead when t is already taken; every
+    k-subset then has probability 1 / C(n, k)."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    k = np.minimum(lengths, cap)
+    out = np.full((lengths.size, cap), -1, dtype=np.int64)
+    for i in range(cap):
+        j = np.maximum(lengths - k + i, 0)
+        t = rng.integers(0, j + 1, dtype=np.int64)
+        t = np.where(np.any(out[:, :i] == t[:, None], axis=1), j, t)
+        out[:, i] = np.where(i < k, t, -1)
+    big = np.iinfo(np.int64).max  # sorts the -1 padding last
+    ordered = np.sort(np.where(out < 0, big, out), axis=1)
+    return np.where(ordered == big, -1, ordered)
+
+
 def poisson_sample(
     key: jax.Array | int,
     step: int,
@@ -207,16 +225,14 @@ def document_sample(
     if isinstance(max_sequences_per_document, bool) or max_sequences_per_document < 1:
         raise ValueError(f"max_sequences_per_document must be >= 1, got {max_sequences_per_document!r}")
     docs = poisson_sample(key, step, n, expected_batch_size, physical_batch_size)
-    rng = _generator(key, step, DOCUMENT_SEQUENCES)
-    cap = max_sequences_per_document
-    indices = np.zeros((physical_batch_size, cap), dtype=np.int64)
-    sequence_padding = np.ones((physical_batch_size, cap), dtype=bool)
-    for row in range(docs.realized_size):
-        d = int(docs.indices[row])
-        start, length = int(offsets[d]), int(offsets[d + 1] - offsets[d])
-        taken = np.arange(length) if length <= cap else np.sort(rng.choice(length, size=cap, replace=False))
-        indices[row, : taken.size] = start + taken
-        sequence_padding[row, : taken.size] = False
+    rows = docs.indices[: docs.realized_size]
+    taken = _uniform_subsets(
+        _generator(key, step, DOCUMENT_SEQUENCES), offsets[rows + 1] - offsets[rows], max_sequences_per_document
+    )
+    indices = np.zeros((physical_batch_size, max_sequences_per_document), dtype=np.int64)
+    sequence_padding = np.ones((physical_batch_size, max_sequences_per_document), dtype=bool)
+    indices[: docs.realized_size] = np.where(taken >= 0, offsets[rows][:, None] + taken, 0)
+    sequence_padding[: docs.realized_size] = taken < 0
     return DocumentBatch(
         indices=indices,
         sequence_padding=sequence_padding,

@@ -11,9 +11,9 @@ Public API: `export_run`, `write_release`, `ReleaseMetadata`, `Guarantee`, `Card
 
 from dpbert.release.card import CardInfo, render_card
 from dpbert.release.export import export_run, write_release
-from dpbert.release.hub import pull, push, resolve_pretrained
+from dpbert.release.hub import pull, push, resolve_pretrained, verify
 from dpbert.release.metadata import Guarantee, ReleaseMetadata, metadata_from_json, recompute_epsilon
-from dpbert.release.verify import VerificationResult, verify, verify_folder
+from dpbert.release.verify import VerificationResult, verify_folder
 
 __all__ = [
     "CardInfo",

@@ -24,14 +24,14 @@ import json
 import math
 import os
 import shutil
-import uuid
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from dpbert.atomic import write_json, write_text
+from dpbert.atomic import replace_dir, write_json, write_text
 from dpbert.release.card import CARD_FILE, with_audits
 from dpbert.release.metadata import PRIVACY_FILE, guarantees_from_json, read_privacy_json
+from dpbert.release.verify import verify_folder
 
 AUDITS_KEY = "audits"
 METHOD = "one-run audit (Steinke, Nasr, Jagielski 2023)"
@@ -138,8 +138,6 @@ def add_audit(
 ) -> AuditedFigure:
     """Add an audit result (an audit.json path or its object) to the release at `release_dir` as an
     audited figure for the guarantee `scope` (see the module docstring); returns the figure."""
-    from dpbert.release.verify import verify_folder
-
     folder = Path(release_dir)
     where = str(report) if isinstance(report, (str, os.PathLike)) else "audit result"
     if isinstance(report, (str, os.PathLike)):
@@ -174,26 +172,16 @@ def add_audit(
 
 
 def _rewrite_atomically(folder: Path, privacy: dict[str, Any], audits: list[dict[str, Any]]) -> None:
-    from dpbert.release.verify import verify_folder
-
-    tmp = folder.parent / f".{folder.name}.audit-{uuid.uuid4().hex[:8]}"
-    # Hard links: weights are not copied; the two files changed are replaced by rename, never
-    # written through a link, so the live release is untouched until the swap.
-    shutil.copytree(folder, tmp, copy_function=_link_or_copy)
-    try:
+    with replace_dir(folder) as tmp:
+        # Hard links: weights are not copied; the two files changed are replaced by rename, never
+        # written through a link, so the live release is untouched until the swap.
+        shutil.copytree(folder, tmp, copy_function=_link_or_copy, dirs_exist_ok=True)
         write_json(tmp / PRIVACY_FILE, privacy, sort_keys=False)
         card = tmp / CARD_FILE
         write_text(card, with_audits(card.read_text(encoding="utf-8"), audits, where=str(folder / CARD_FILE)))
         after = verify_folder(tmp)
         if not after.ok:
             raise ValueError(f"{folder}: adding the audit would break verification:\n{after.summary()}")
-        old = folder.parent / f".{folder.name}.old-{uuid.uuid4().hex[:8]}"
-        os.replace(folder, old)
-        os.replace(tmp, folder)
-        shutil.rmtree(old)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
 
 
 def _link_or_copy(src: str, dst: str) -> None:

@@ -9,8 +9,9 @@ The YAML front matter is built here as data (so it is always valid YAML that
 unless `CardInfo.pipeline_tag` says otherwise, e.g. `text-classification` for a fine-tuned classifier),
 tags, a `differential_privacy` block with every guarantee (scope, data, private, epsilon (`.inf` when not
 private), delta, accountant, privacy_unit, sampling, dataset_size and dataset_size_source, randomness,
-and truncation_delta when Poisson samples were truncated) and the vocabulary (origin, covered,
-learned_from_private_data), and a `model-index` entry with the held-out masked-LM accuracy and any
+and truncation_delta when Poisson samples were truncated; vocabulary_epsilon_share and
+vocabulary_selection_delta when the ledger holds a DP vocabulary) and the vocabulary (origin, covered,
+learned_from_private_data, and `dp` for a DP vocabulary: scope, epsilon_share, selection_delta, unit), and a `model-index` entry with the held-out masked-LM accuracy and any
 `CardInfo.model_index_results` (e.g. GLUE dev metrics). The body comes from a Jinja2 template; the
 per-guarantee table is the shared `_guarantee.md.j2`.
 
@@ -207,6 +208,11 @@ def document_group_text(g: Guarantee) -> str | None:
         return None
     eps = epsilon_from_json(unit["document_group_epsilon"], "unit.document_group_epsilon")
     most = _count(unit.get("max_sequences_per_document"))
+    if math.isinf(eps) and g.vocabulary is not None:
+        return (
+            f"a whole document of {most} sequences has NO guarantee computed (the DP vocabulary's word selection "
+            "is calibrated for the words of one unit, not of a document)"
+        )
     if math.isinf(eps):
         return (
             f"a whole document of {most} sequences has NO meaningful guarantee (group privacy computed by "
@@ -215,6 +221,23 @@ def document_group_text(g: Guarantee) -> str | None:
     return (
         f"a whole document of {most} sequences is protected only at epsilon = {eps:.4g} (group privacy, computed "
         "by dp_accounting as a mixture of Gaussians, same delta)"
+    )
+
+
+def vocabulary_text(g: Guarantee) -> str:
+    """How a DP vocabulary in `g`'s ledger was learned and what it spent (empty without one)."""
+    v = g.vocabulary
+    if v is None:
+        return ""
+    k, sigma = int(v["words_per_unit"]), float(v["noise_multiplier"])
+    std = sigma * math.sqrt(k)
+    return (
+        f"learned from this data under DP (Gaussian partition selection): each unit ({v['unit']}) adds 1 to at "
+        f"most {k} distinct words, every count gets Gaussian noise of std {std:.4g} (noise multiplier "
+        f"{sigma:.4g} for L2 sensitivity sqrt({k})), only counts above the threshold are kept, and WordPiece is "
+        f"trained on those noisy counts; the Gaussian alone spends epsilon {float(v['epsilon_share']):.4g} at "
+        f"delta {_format_number(g.delta)}, composed into the epsilon above; a word that one unit alone uses "
+        f"is kept with probability at most {_format_number(g.selection_delta)} (added to delta)"
     )
 
 
@@ -308,6 +331,7 @@ def _environment() -> Any:
     env.filters["document_group_text"] = document_group_text
     env.filters["randomness_text"] = randomness_text
     env.filters["noise_text"] = noise_text
+    env.filters["vocabulary_text"] = vocabulary_text
     env.filters["cell"] = _cell
     return env
 

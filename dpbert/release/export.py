@@ -35,14 +35,13 @@ import json
 import math
 import os
 import shutil
-import uuid
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
 import yaml
 
-from dpbert.atomic import write_json, write_text
+from dpbert.atomic import replace_dir, write_json, write_text
 from dpbert.release.card import CARD_FILE, CardInfo, render_card
 from dpbert.release.metadata import (
     NEVER_RELEASED,
@@ -117,10 +116,7 @@ def write_release(
     out = Path(out)
     if out.exists() and not overwrite:
         raise ValueError(f"{out}: already exists (pass overwrite=True / --overwrite to replace it)")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".{out.name}.export-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
-    try:
+    with replace_dir(out) as tmp:
         _copy_model(model, tmp)
         _copy_tokenizer(None if tokenizer_dir is None else Path(tokenizer_dir), tmp)
         leaked = [name for name in NEVER_RELEASED if (tmp / name).exists()]
@@ -136,16 +132,6 @@ def write_release(
         write_json(config_path, config)
         write_json(tmp / PRIVACY_FILE, meta.to_dict(), sort_keys=False)
         write_text(tmp / CARD_FILE, render_card(meta, info))
-        if out.exists():
-            old = out.parent / f".{out.name}.old-{uuid.uuid4().hex[:8]}"
-            os.replace(out, old)
-            os.replace(tmp, out)
-            shutil.rmtree(old)
-        else:
-            os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out
 
 

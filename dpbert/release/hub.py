@@ -8,6 +8,7 @@
 - `resolve_pretrained` turns a folder or Hub id into a local folder for `from_pretrained`; it verifies
   every release that makes a privacy claim (has privacy.json or a `differential_privacy` card block)
   and lets plain Hugging Face BERT folders through.
+- `verify` verifies a local folder or a Hub repo pulled through the cache (`dpbert.release.verify`).
 
 The endpoint comes from HF_ENDPOINT and the token from `token=`, HF_TOKEN or the saved login
 (`huggingface_hub.get_token`). The token is only ever handed to `huggingface_hub`: dpbert never prints,
@@ -22,6 +23,7 @@ from pathlib import Path
 
 from dpbert.release.card import CARD_FILE, read_front_matter
 from dpbert.release.metadata import PRIVACY_FILE
+from dpbert.release.verify import DEFAULT_RTOL, VerificationResult, verify_folder
 
 # A Hub model id: "name" or "namespace/name" (letters, digits, '-', '_', '.').
 _REPO_ID = re.compile(r"^(?:[A-Za-z0-9][\w.-]*/)?[A-Za-z0-9][\w.-]*$")
@@ -46,9 +48,7 @@ def push(
     `private` sets the Hub visibility of a *new* repo (unrelated to differential privacy); `revision` is a
     branch, created from main when missing.
     """
-    from huggingface_hub import HfApi
-
-    from dpbert.release.verify import verify_folder
+    from huggingface_hub import HfApi  # deferred: 336 ms at import, paid by push and pull only
 
     folder = Path(folder)
     _check_repo_id(repo_id)
@@ -72,8 +72,12 @@ def push(
 
 
 def _download(repo_id: str, revision: str | None) -> Path:
-    from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError, RepositoryNotFoundError
+    from huggingface_hub import snapshot_download  # deferred: 336 ms at import, paid by push and pull only
+    from huggingface_hub.errors import (  # deferred: as above
+        HfHubHTTPError,
+        LocalEntryNotFoundError,
+        RepositoryNotFoundError,
+    )
 
     _check_repo_id(repo_id)
     try:
@@ -100,8 +104,6 @@ def pull(repo_id_or_path: str | os.PathLike[str], *, revision: str | None = None
         raise FileNotFoundError(f"{str(repo_id_or_path)!r}: no such folder, and not a Hub repo id ORG/NAME")
     folder = path if path.is_dir() else _download(str(repo_id_or_path), revision)
     if verify:
-        from dpbert.release.verify import verify_folder
-
         verify_folder(folder).raise_if_failed()
     return folder
 
@@ -130,7 +132,12 @@ def resolve_pretrained(
     """
     folder = pull(path_or_repo_id, revision=revision, verify=False)
     if verify and has_privacy_claims(folder):
-        from dpbert.release.verify import verify_folder
-
         verify_folder(folder).raise_if_failed()
     return folder
+
+
+def verify(
+    path_or_repo_id: str | os.PathLike[str], *, revision: str | None = None, rtol: float = DEFAULT_RTOL
+) -> VerificationResult:
+    """Verify a local release folder, or a Hub repo downloaded through the Hugging Face cache."""
+    return verify_folder(pull(path_or_repo_id, revision=revision, verify=False), rtol=rtol)

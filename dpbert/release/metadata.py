@@ -35,6 +35,11 @@ sequence length and how many sequences a document contributes, at most and on av
      "public_inputs": [{"input": str, "scope": str (some), "value": ..., "source": str}, ...],
      "non_private_diagnostics": {"logged": [str, ...], "included": bool, "values": {...} | null}}
 
+A ledger may hold a `vocabulary` event (a vocabulary learned from the guarantee's data under DP,
+`dpbert.privacy.accounting.VocabularyEvent`): the guarantee's epsilon then composes it with training,
+its delta gains the event's `selection_delta`, and `vocabulary_copy`/`public_inputs` say the
+vocabulary came from the private corpus under that guarantee.
+
 `private` is true when every guarantee is private. A vocabulary learned from the private corpus
 without privacy (`learned_from_private_data: true`) is not covered by any guarantee: the release is
 then not private *with respect to its vocabulary*, and its card carries no differential-privacy tags.
@@ -320,6 +325,16 @@ class Guarantee:
         return 0.0 if self.ledger is None or not self.private else recompute_truncation_delta(self.ledger)
 
     @property
+    def vocabulary(self) -> Mapping[str, Any] | None:
+        """The ledger's DP vocabulary event (`VocabularyEvent` fields), or None."""
+        return None if self.ledger is None else self.ledger.get("vocabulary")
+
+    @property
+    def selection_delta(self) -> float:
+        """The delta a DP vocabulary's word selection adds to the ledger's delta (0 without one)."""
+        return 0.0 if self.vocabulary is None else float(self.vocabulary["selection_delta"])
+
+    @property
     def dataset_size_source(self) -> str | None:
         """ "declared", "rounded" or "exact" as the ledger says; "unrecorded" for an older ledger."""
         if self.ledger is None:
@@ -364,6 +379,9 @@ class Guarantee:
             )
             if self.truncation_delta > 0:
                 out["truncation_delta"] = self.truncation_delta
+            if self.vocabulary is not None:
+                out["vocabulary_epsilon_share"] = float(self.vocabulary["epsilon_share"])
+                out["vocabulary_selection_delta"] = self.selection_delta
         return out
 
 
@@ -423,7 +441,14 @@ class ReleaseMetadata:
         return None if self.recipe_content is None else hashlib.sha256(self.recipe_content.encode()).hexdigest()
 
     @property
+    def dp_vocabulary(self) -> Guarantee | None:
+        """The guarantee whose ledger holds the DP vocabulary's event, or None."""
+        return next((g for g in self.guarantees if g.vocabulary is not None), None)
+
+    @property
     def vocabulary_source(self) -> str:
+        if self.dp_vocabulary is not None:
+            return f"private corpus, under differential privacy (the {self.dp_vocabulary.scope} guarantee)"
         if self.vocabulary_learned_from_private_data is True:
             return "private corpus, without privacy"
         if self.vocabulary_learned_from_private_data is False:
@@ -488,12 +513,22 @@ class ReleaseMetadata:
         }
 
     def vocabulary_copy(self) -> dict[str, Any]:
-        """The vocabulary entry of the card's `differential_privacy` block."""
-        return {
+        """The vocabulary entry of the card's `differential_privacy` block (with `dp`: the scope of the
+        guarantee that covers a DP vocabulary, its epsilon share and selection delta)."""
+        out: dict[str, Any] = {
             "origin": self.vocabulary_origin,
             "covered": self.vocabulary_covered,
             "learned_from_private_data": self.vocabulary_learned_from_private_data,
         }
+        g = self.dp_vocabulary
+        if g is not None:
+            out["dp"] = {
+                "scope": g.scope,
+                "epsilon_share": float(g.vocabulary["epsilon_share"]),
+                "selection_delta": g.selection_delta,
+                "unit": str(g.vocabulary["unit"]),
+            }
+        return out
 
     def config_copy(self) -> dict[str, Any]:
         """The `differential_privacy` entry added to config.json (JSON-safe)."""

@@ -14,7 +14,7 @@
    truncated Poisson samples (the trainer refuses both).
 3. **The ledger is rebuilt from the recipe** the release carries (`recipe.content`). A pretraining
    guarantee: the recipe is parsed (`dpbert.config.recipe`) and its DP plan rebuilt by
-   `dpbert.train.pretrain.make_plan` for the ledger's N (the recipe's declared
+   `dpbert.config.plan.make_plan` for the ledger's N (the recipe's declared
    `privacy.dataset_size`, else N rounded down to 2 significant digits, which is what the trainer
    uses); calibration is deterministic, so every field (stages, expected and physical batch sizes,
    sampling rates, noise multipliers, steps, delta, clip norm, accountant, target, N and its source)
@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 import json
 import math
 import tempfile
@@ -61,6 +62,19 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import yaml
+
+from dpbert.config.plan import make_plan
+from dpbert.config.recipe import load_recipe_dict
+from dpbert.privacy.accounting import (
+    ACCOUNTANTS,
+    DATASET_SIZE_SOURCES,
+    DOCUMENT_UNIT,
+    NEIGHBORING_RELATION,
+    PRIVACY_UNITS,
+    SAMPLING,
+    round_down_significant,
+)
 from dpbert.release.card import CARD_FILE, DP_TAGS, read_front_matter
 from dpbert.release.metadata import (
     NEVER_RELEASED,
@@ -69,6 +83,7 @@ from dpbert.release.metadata import (
     SUPPLIED_FILE,
     UNKNOWN,
     Guarantee,
+    document_group_epsilon,
     epsilon_from_json,
     guarantees_from_json,
     metadata_from_json,
@@ -197,15 +212,6 @@ def _show(value: Any, other: Any = None) -> str:
 
 def _ledger_problems(field: str, ledger: Mapping[str, Any]) -> list[str]:
     """Structural problems of one ledger; `field` is e.g. '.../privacy.json: guarantees[0].ledger'."""
-    from dpbert.privacy.accounting import (
-        ACCOUNTANTS,
-        DATASET_SIZE_SOURCES,
-        DOCUMENT_UNIT,
-        NEIGHBORING_RELATION,
-        PRIVACY_UNITS,
-        SAMPLING,
-    )
-
     problems = []
     if ledger.get("accountant") not in ACCOUNTANTS:
         problems.append(
@@ -268,8 +274,6 @@ def _ledger_problems(field: str, ledger: Mapping[str, Any]) -> list[str]:
 def _group_privacy_problems(field: str, g: Guarantee, rtol: float) -> list[str]:
     """The card's group privacy of a whole document (sequence-level ledgers), recomputed by
     `dpbert.privacy.accounting.group_epsilon` for the unit's largest document."""
-    from dpbert.release.metadata import document_group_epsilon, epsilon_from_json
-
     unit = g.unit or {}
     if "document_group_epsilon" not in unit:
         return []
@@ -297,11 +301,6 @@ class _NotRebuildable(Exception):
 def _rebuilt_pretraining(content: str, dataset_size: int) -> tuple[str, int]:
     """(rebuilt ledger JSON, data.seq_len) for a pretraining recipe and the ledger's N; cached
     because calibrating noise takes seconds and verify runs more than once on a release."""
-    import yaml
-
-    from dpbert.config.plan import make_plan
-    from dpbert.config.recipe import load_recipe_dict
-    from dpbert.privacy.accounting import round_down_significant
 
     try:
         raw = yaml.safe_load(content)
@@ -377,8 +376,6 @@ def _recipe_checks(
     privacy_path: str, data: Mapping[str, Any], guarantees: list[Guarantee], checks: dict[str, GuaranteeCheck]
 ) -> tuple[list[str], list[str], set[str]]:
     """(problems, not checked, scopes rebuilt) of checks 3 and 4 (module docstring)."""
-    import hashlib
-
     problems: list[str] = []
     notes: list[str] = []
     rebuilt: set[str] = set()
@@ -713,12 +710,3 @@ def verify_folder(folder: str | Path, *, rtol: float = DEFAULT_RTOL) -> Verifica
         not_checked=tuple(not_checked),
         vocabulary_from_private_data=meta.vocabulary_learned_from_private_data,
     )
-
-
-def verify(
-    path_or_repo_id: str | Path, *, revision: str | None = None, rtol: float = DEFAULT_RTOL
-) -> VerificationResult:
-    """Verify a local release folder, or a Hub repo downloaded through the Hugging Face cache."""
-    from dpbert.release.hub import pull
-
-    return verify_folder(pull(path_or_repo_id, revision=revision, verify=False), rtol=rtol)

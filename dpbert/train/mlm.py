@@ -27,8 +27,8 @@ from dpbert.config.recipe import Recipe
 from dpbert.data.masking import example_mask_key, mask_tokens
 from dpbert.data.store import TokenStore
 from dpbert.model import functional
+from dpbert.model.ghost import MLMGhostLoss
 from dpbert.privacy.documents import SEQUENCE_PADDING
-from dpbert.privacy.ghost_clipping import MLMGhostLoss
 from dpbert.train import distributed
 
 # Held-out masking uses its own fixed key, the same for every run and seed, so private and

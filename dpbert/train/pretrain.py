@@ -67,13 +67,13 @@ from jax.sharding import Mesh
 from tqdm.auto import tqdm
 
 from dpbert.atomic import write_json
-from dpbert.config.plan import Plan, make_plan, public_dataset_size
+from dpbert.config.plan import Plan, dp_vocabulary_event, dp_vocabulary_window, make_plan, public_dataset_size
 from dpbert.config.recipe import Recipe, load_recipe, recipe_to_dict, save_recipe
-from dpbert.data.store import TokenStore, prepare_store
-from dpbert.data.tokenizer import load_tokenizer, resolve_tokenizer
+from dpbert.data.store import TokenStore, prepare_store, train_texts
+from dpbert.data.tokenizer import load_tokenizer, resolve_tokenizer, train_dp_wordpiece
 from dpbert.model import functional
 from dpbert.privacy.documents import SEQUENCE_PADDING
-from dpbert.privacy.randomness import SECRET_FILE, RunSecret, read_secret
+from dpbert.privacy.randomness import SECRET_FILE, RunSecret, mechanism_key, read_secret
 from dpbert.privacy.sampling import check_document_offsets
 from dpbert.release.export import RANDOMNESS_FILE
 from dpbert.train import distributed
@@ -139,7 +139,9 @@ def open_data(recipe: Recipe, run_dir: Path, log: Callable[[str], None]) -> Trai
         return prepare_store(
             store_dir,
             corpus=recipe.data.corpus,
-            tokenizer=resolve_tokenizer(recipe.data.tokenizer),
+            tokenizer=str(run_dir / "vocabulary")
+            if recipe.data.tokenizer == "dp"
+            else resolve_tokenizer(recipe.data.tokenizer),
             seq_len=recipe.data.seq_len,
             eval_fraction=recipe.data.eval_fraction,
             seed=recipe.data.split_seed,
@@ -185,6 +187,36 @@ def open_data(recipe: Recipe, run_dir: Path, log: Callable[[str], None]) -> Trai
         n_source=n_source,
         unigram=unigram_token(train_store, n_sequences, manifest.special_token_ids),
     )
+
+
+def dp_vocabulary_dir(
+    recipe: Recipe, run_dir: Path, secret: RunSecret, mechanism: str, *, resume: bool, log: Callable[[str], None]
+) -> Path:
+    """The run's DP vocabulary folder (RUN_DIR/vocabulary), learned from the train documents with
+    the key `mechanism_key(secret, mechanism + "/vocabulary")`, or reused by a resumed run (its
+    secret is the same, so is the folder)."""
+    out = run_dir / "vocabulary"
+    if resume and (out / "tokenizer.json").is_file():
+        return out
+    d, event = recipe.data, dp_vocabulary_event(recipe)
+    t0 = time.perf_counter()
+    tokenizer = train_dp_wordpiece(
+        train_texts(d.corpus, eval_fraction=d.eval_fraction, seed=d.split_seed),
+        event=event,
+        key=mechanism_key(secret, f"{mechanism}/vocabulary"),
+        vocab_size=d.train_vocab_size,
+        out_dir=out,
+        window=dp_vocabulary_window(recipe),
+        origin=(
+            f"DP WordPiece learned from {d.corpus} (Gaussian partition selection, epsilon {event.epsilon_share:.3g} "
+            f"alone, selection delta {event.selection_delta:g}, unit {event.unit}; in the run's ledger)"
+        ),
+    )
+    log(
+        f"vocabulary: DP WordPiece of {len(tokenizer)} tokens (noise std {event.noise_stddev:.1f} on word counts, "
+        f"threshold {event.threshold:.1f}) [{time.perf_counter() - t0:.0f} s]"
+    )
+    return out
 
 
 def sample_batch(
@@ -383,6 +415,12 @@ def pretrain(
         )
 
     # --- data
+    secret = None
+    if recipe.data.tokenizer == "dp":  # the DP vocabulary is the run's first mechanism: it needs the secret now
+        secret = _shared_secret(ckpt_dir, resume=resume, supplied=noise_seed_file)
+        if primary:
+            dp_vocabulary_dir(recipe, run_dir, secret, mechanism, resume=resume, log=log)
+        distributed.barrier("dpbert pretrain: DP vocabulary ready")
     data = open_data(recipe, run_dir, log)
     manifest, offsets, n_train = data.manifest, data.offsets, data.n_train
 
@@ -410,7 +448,8 @@ def pretrain(
     optimizer = make_optimizer(recipe)
     abstract = abstract_state(recipe, config, optimizer, mesh)
     graphdef = abstract.graphdef
-    secret = _shared_secret(ckpt_dir, resume=resume, supplied=noise_seed_file) if recipe.privacy.enabled else None
+    if recipe.privacy.enabled and secret is None:
+        secret = _shared_secret(ckpt_dir, resume=resume, supplied=noise_seed_file)
     masking_key, stage_keys = run_keys(recipe, secret, mechanism)
     masker = make_masker(
         vocab_size=vocab_size,

@@ -4,7 +4,7 @@ From flags: `--dataset-size N --batch-size B --steps T --noise-multiplier S --de
 B, T and S may be comma-separated lists (one value per stage); `--target-epsilon E` instead of
 `--noise-multiplier` calibrates sigma (shared, or `--per-stage` for equal per-stage shares).
 From a recipe: `dpbert account RECIPE [--set k=v] [--dataset-size N]` builds the same plan
-the trainer builds (`dpbert.train.pretrain.make_plan`: calibration, physical batch sizes,
+the trainer builds (`dpbert.config.plan.make_plan`: calibration, physical batch sizes,
 budget check); N defaults to the size of the recipe's token store (`data.store`), else to the
 recipe's planned `target.dataset_size`.
 
@@ -20,6 +20,9 @@ import json
 import math
 from typing import Any
 
+from dpbert.config.plan import make_plan
+from dpbert.config.recipe import load_recipe
+from dpbert.data.store import TokenStore
 from dpbert.privacy.accounting import PrivacyLedger, calibrate_noise_multiplier
 from dpbert.privacy.schedule import BatchSchedule, Stage
 
@@ -91,8 +94,6 @@ def ledger_from_flags(args: argparse.Namespace) -> PrivacyLedger:
 
 def ledger_from_recipe(args: argparse.Namespace) -> PrivacyLedger:
     """The ledger the trainer would plan for the recipe (same code path as `dpbert pretrain`)."""
-    from dpbert.config.plan import make_plan
-    from dpbert.config.recipe import load_recipe
 
     recipe = load_recipe(args.recipe, args.set or ())
     if not recipe.privacy.enabled:
@@ -106,8 +107,6 @@ def ledger_from_recipe(args: argparse.Namespace) -> PrivacyLedger:
             raise ValueError(
                 f"{args.recipe}: give --dataset-size (the recipe has no data.store to count examples in, nor target.dataset_size)"
             )
-        from dpbert.data.store import TokenStore
-
         dataset_size = len(TokenStore.open(recipe.data.store, split="train"))
     plan = make_plan(recipe, dataset_size)
     assert plan.ledger is not None
