@@ -63,9 +63,6 @@ TOKENIZER_DIR = "tokenizer"
 SPLITS = ("train", "eval")
 DOCUMENTS_SUFFIX = ".documents.npy"
 PUBLIC_TOKENIZERS = ("public", "bert-base-uncased")
-# Written into a tokenizer folder by `prepare`, so a vocabulary trained on a private corpus keeps
-# saying so when the folder is reused for another store.
-VOCAB_ORIGIN_FILE = "dpbert_vocab_origin.json"
 # Documents per worker task is set by characters, so tasks have similar cost whatever the
 # document lengths; the value does not change the output, only the load balance.
 _CHUNK_CHARS = 1 << 20
@@ -424,7 +421,7 @@ def prepare(
         raise ValueError(f"num_proc must be >= 1; got {num_proc}")
     if not getattr(tokenizer, "is_fast", False):
         raise ValueError(f"tokenizer {tokenizer_source!r} is not a fast tokenizer (tokenizer.json); prepare needs one")
-    from dpbert.data.tokenizer import tokenizer_fingerprint  # deferred: as in TokenStore.open
+    from dpbert.data.tokenizer import VOCAB_ORIGIN_FILE, tokenizer_fingerprint  # deferred: as in TokenStore.open
 
     out = Path(out_dir)
     if out.exists() and not overwrite:
@@ -545,6 +542,8 @@ def _tokenizer_request(spec: str) -> str:
 
 
 def _folder_vocab_origin(folder: Path) -> str:
+    from dpbert.data.tokenizer import VOCAB_ORIGIN_FILE  # deferred: as in TokenStore.open
+
     marker = folder / VOCAB_ORIGIN_FILE
     if marker.is_file():
         return str(json.loads(marker.read_text())["vocab_origin"])

@@ -42,9 +42,13 @@ import jax
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 from transformers import AutoTokenizer, BertTokenizer, PreTrainedTokenizerBase
 
-from dpbert.data.store import VOCAB_ORIGIN_FILE
 from dpbert.privacy.accounting import VocabularyEvent
 from dpbert.privacy.vocabulary import bounded_word_counts, select_words
+
+# Written into a tokenizer folder learned from a corpus (by `dpbert.data.store.prepare_store` and
+# `train_dp_wordpiece`), so a vocabulary trained on a private corpus keeps saying so when the folder
+# is reused for another store.
+VOCAB_ORIGIN_FILE = "dpbert_vocab_origin.json"
 
 SPECIAL_TOKENS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
 # Package data of dpbert.data, next to its NOTICE (Apache-2.0, Google's BERT release).
