@@ -52,6 +52,8 @@ from typing import Any
 import dp_accounting
 from dp_accounting.pld import pld_privacy_accountant
 from dp_accounting.rdp import rdp_privacy_accountant
+from scipy.optimize import brentq
+from scipy.stats import binom
 
 from dpbert.privacy.schedule import BatchSchedule, Stage
 
@@ -160,7 +162,6 @@ def _log_root(f: Callable[[float], float], guess: float, *, increasing: bool, xt
     """x with f(x) ~ 0 (within a relative xtol), for f monotone in x > 0; bracketed by doubling.
 
     Returns the bracket end where f <= 0 if the search leaves [1e-2, MAX_NOISE_MULTIPLIER]."""
-    from scipy.optimize import brentq
 
     sign = 1.0 if increasing else -1.0
     lo = hi = guess
@@ -291,7 +292,6 @@ def overflow_probability(expected_batch_size: int, dataset_size: int, physical_b
     """P[Binomial(N+1, q) > physical_batch_size]: one step's chance that the sampler truncates.
 
     N+1 because the neighbouring dataset with one more example overflows more often."""
-    from scipy.stats import binom
 
     q = sampling_rate(expected_batch_size, dataset_size)
     return float(binom.sf(physical_batch_size, dataset_size + 1, q))
@@ -695,7 +695,6 @@ def group_epsilon(ledger: PrivacyLedger, group_size: int) -> float:
     1e-3 delta e^-cap / steps (the tail's mass moved to J); the cut mixture is within total
     variation steps * tau of the true one over the run, which costs at most e^eps * steps * tau
     <= 1e-3 delta, so epsilon is computed at delta (1 - 1e-3)."""
-    from scipy.stats import binom
 
     if ledger.is_document_level:
         raise ValueError("group_epsilon: the ledger is document-level already (its unit is one document)")

@@ -31,12 +31,14 @@ bound, not a guarantee (template `audit_section.md.j2`).
 from __future__ import annotations
 
 import dataclasses
+import importlib.resources
 import math
 import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import jinja2
 import yaml
 
 from dpbert.release.metadata import (
@@ -281,7 +283,6 @@ def templates_dir() -> Path:
     """The folder the card templates are loaded from: the model_cards/ of the source checkout this
     dpbert was imported from, else the installed package `dpbert.model_cards` (inside the wheel).
     FileNotFoundError when neither holds them."""
-    import importlib.resources
 
     # The source tree this dpbert was imported from comes first: an editable install of another
     # checkout (a second git worktree on the same environment) maps the package to *its* templates.
@@ -303,7 +304,6 @@ def templates_dir() -> Path:
 
 
 def _template_loader() -> Any:
-    import jinja2
 
     return jinja2.FileSystemLoader(str(templates_dir()))
 
@@ -315,7 +315,6 @@ def _cell(value: Any) -> str:
 
 
 def _environment() -> Any:
-    import jinja2
 
     env = jinja2.Environment(
         loader=_template_loader(),

@@ -66,6 +66,8 @@ from pathlib import Path
 from typing import Any
 
 import dpbert
+from dpbert.privacy import noise
+from dpbert.privacy.accounting import PrivacyLedger, group_epsilon
 
 FORMAT = "dpbert-privacy/1"
 PRIVACY_FILE = "privacy.json"
@@ -127,7 +129,6 @@ def recompute_truncation_delta(ledger: Mapping[str, Any]) -> float:
 @functools.lru_cache(maxsize=64)
 def _recompute(ledger_json: str) -> tuple[float, float]:
     # Cached per ledger content: a PLD recomputation takes seconds and verify/push/pull repeat it.
-    from dpbert.privacy.accounting import PrivacyLedger
 
     ledger = PrivacyLedger.from_dict(json.loads(ledger_json))
     epsilon = float(ledger.epsilon())
@@ -198,7 +199,6 @@ def noise_record(ledger: Mapping[str, Any], *, coordinates: int | None) -> dict[
     not add it (`tail_bound_below` states the comparison). `coordinates` is the number of noised
     coordinates per step (the trained parameters); None when unknown, which leaves the bound unset.
     """
-    from dpbert.privacy import noise
 
     steps = sum(int(s["steps"]) for s in ledger.get("stages") or () if float(s["noise_multiplier"]) > 0)
     bound = None
@@ -237,7 +237,6 @@ def unit_record(
 
 @functools.lru_cache(maxsize=32)
 def _group_epsilon(ledger_json: str, group_size: int) -> float:
-    from dpbert.privacy.accounting import PrivacyLedger, group_epsilon
 
     return group_epsilon(PrivacyLedger.from_dict(json.loads(ledger_json)), group_size)
 
