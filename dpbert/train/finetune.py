@@ -95,7 +95,7 @@ from dpbert.config.plan import Plan
 from dpbert.data import glue
 from dpbert.model import BertForSequenceClassification
 from dpbert.model.lora import add_lora, merge_lora
-from dpbert.privacy.randomness import mechanism_key
+from dpbert.privacy.randomness import RunSecret, mechanism_key
 from dpbert.privacy.sampling import poisson_sample
 from dpbert.privacy.schedule import BatchSchedule, Stage
 from dpbert.release.export import RANDOMNESS_FILE
@@ -323,6 +323,41 @@ def _train(
     return loop.state.params, loop.stopped
 
 
+def _run_files(out: Path, *, resume: bool) -> _RunFiles:
+    """The run's files; a new run refuses a folder with checkpoints and starts its records afresh."""
+    files = _RunFiles(
+        checkpoints=out / "checkpoints", train_records=out / "train.jsonl", evals=out / "evals.jsonl", resume=resume
+    )
+    if not resume:
+        if has_checkpoints(files.checkpoints):
+            raise ValueError(
+                f"output folder {out} already holds checkpoints; pass --resume to continue it or choose another "
+                "--output-dir"
+            )
+        files.evals.unlink(missing_ok=True)
+        files.train_records.unlink(missing_ok=True)
+    return files
+
+
+def _run_key(
+    config: FinetuneConfig,
+    task: glue.GlueTask,
+    files: _RunFiles,
+    out: Path,
+    noise_seed_file: str | os.PathLike[str] | None,
+) -> tuple[RunSecret | None, jax.Array]:
+    """(secret, key) of a DP run: the secret kept in the checkpoint folder (drawn, supplied, or
+    read back on resume), the key domain-separated as "finetune/<task>". A non-private run has no
+    secret and uses `config.seed`."""
+    if config.dp:
+        secret = secret_for_run(files.checkpoints, resume=files.resume, supplied=noise_seed_file)
+        write_json(out / RANDOMNESS_FILE, {"source": secret.source})
+        return secret, mechanism_key(secret, f"finetune/{task.name}")
+    if noise_seed_file is not None:
+        raise ValueError("--noise-seed-file: only meaningful with --dp (a non-private run has no noise)")
+    return None, jax.random.key(config.seed)
+
+
 def _data_fingerprint(train: Mapping[str, np.ndarray]) -> str:
     """A short hash of the encoded training set (what a checkpoint's arrays depend on)."""
     digest = hashlib.sha256()
@@ -401,24 +436,8 @@ def finetune(
         f"[{task.name}] n={n} train examples; training {trained['description']}: {n_trained:,} of {n_total:,} parameters"
     )
 
-    files = _RunFiles(
-        checkpoints=out / "checkpoints", train_records=out / "train.jsonl", evals=out / "evals.jsonl", resume=resume
-    )
-    if not resume and has_checkpoints(files.checkpoints):
-        raise ValueError(
-            f"output folder {out} already holds checkpoints; pass --resume to continue it or choose another --output-dir"
-        )
-    if not resume:
-        files.evals.unlink(missing_ok=True)
-        files.train_records.unlink(missing_ok=True)
-    if config.dp:
-        secret = secret_for_run(files.checkpoints, resume=resume, supplied=noise_seed_file)
-        write_json(out / RANDOMNESS_FILE, {"source": secret.source})
-        run_key = mechanism_key(secret, f"finetune/{task.name}")
-    elif noise_seed_file is not None:
-        raise ValueError("--noise-seed-file: only meaningful with --dp (a non-private run has no noise)")
-    else:
-        run_key = jax.random.key(config.seed)
+    files = _run_files(out, resume=resume)
+    secret, run_key = _run_key(config, task, files, out, noise_seed_file)
     fingerprints = {
         "config": fingerprint(config_record(config)),
         "data": _data_fingerprint(train),
@@ -485,7 +504,7 @@ def finetune(
     merge_lora(net)  # LoRA folded into plain weights: the export is an ordinary BERT
     meta = export_model(
         out, net=net, tokenizer=tokenizer, task=task, model=model, config=config, source=source, n=n, plan=plan,
-        dev=final, randomness=secret.source if config.dp else None, trained_parameters=n_trained,
+        dev=final, randomness=None if secret is None else secret.source, trained_parameters=n_trained,
         trained=trained, sweep=sweep,
     )  # fmt: skip
 
