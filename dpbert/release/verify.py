@@ -21,7 +21,7 @@
    must be equal, and a difference is named ("privacy.json: guarantees[0].ledger.stages[1]
    .noise_multiplier: 1.23 in the ledger, 0.61 rebuilt from the recipe"); the unit's sequence length
    must be the recipe's `data.seq_len`. A fine-tuning guarantee ("fine-tuning (TASK)"): the recipe is
-   the fine-tuning config and the ledger is rebuilt by `dpbert.train.finetune.plan_dp` for the ledger's
+   the fine-tuning config and the ledger is rebuilt by `dpbert.config.finetune.plan_dp` for the ledger's
    N. What cannot be rebuilt is reported in `VerificationResult.not_checked`, not failed: a release
    without a recipe, and the pretraining guarantee a fine-tuned model inherits (its recipe is in the
    source checkpoint's release, not in this one). A private guarantee of any other scope fails.
@@ -64,6 +64,7 @@ from typing import Any
 
 import yaml
 
+from dpbert.config.finetune import load_config, plan_dp
 from dpbert.config.plan import make_plan
 from dpbert.config.recipe import load_recipe_dict
 from dpbert.privacy.accounting import (
@@ -321,8 +322,6 @@ def _rebuilt_pretraining(content: str, dataset_size: int) -> tuple[str, int]:
 @functools.lru_cache(maxsize=32)
 def _rebuilt_finetuning(content: str, dataset_size: int) -> str:
     """Rebuilt ledger JSON of a DP fine-tuning config for the ledger's n (see `_rebuilt_pretraining`)."""
-    from dpbert.config.finetune import load_config, plan_dp
-
     with tempfile.TemporaryDirectory(prefix=".dpbert-verify-") as tmp:
         path = Path(tmp) / "finetune.yaml"
         path.write_text(content)

@@ -349,11 +349,10 @@ def plot_sweep(rows: Sequence[dict[str, Any]], out: str | os.PathLike[str]) -> P
     """DIR/sweep.png, two panels against batch size (log scale): held-out accuracy (with the
     unigram level) and held-out MLM loss, for the private fixed-batch arms, the schedule arm at its
     largest batch, and the non-private level as a line."""
-    # Imported here: matplotlib takes about half a second to import (measured: 0.56 s) and only plotting needs it.
-    import matplotlib
+    import matplotlib  # deferred: 0.56 s at import (measured), only plotting needs it
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # deferred: as matplotlib above
 
     sequence_rows = [r for r in rows if r.get("unit", "sequence") == "sequence"]
     fixed = [r for r in sequence_rows if r["private"] and len(r["stages"]) == 1]
