@@ -115,7 +115,9 @@ class FinetuneConfig:
 
     `dp` selects the mode: `private` + `privacy` when true, `nonprivate` otherwise.
     `tokenizer: null` loads the tokenizer from the model folder. `microbatch_size` only trades
-    memory for speed (DP results do not depend on it). `lora` applies when a mode trains
+    memory for speed (DP results do not depend on it), and so does `clipping` ("auto": ghost
+    clipping through the model's taps when every parameter is trained, vmap per-example gradients
+    for a subset; "ghost" or "vmap" to choose; the same clipped sum either way). `lora` applies when a mode trains
     `lora`; `eval_every_epochs`: evaluate after every k-th epoch (and always at the end).
     `train_pooler`: whether the head includes the pooler's kernel under `bias`, `lora` and
     `head` (null: only when the checkpoint has no pretrained pooler). Default true: a pretrained
@@ -128,6 +130,7 @@ class FinetuneConfig:
     tokenizer: str | None = None
     eval_batch_size: int = 128
     microbatch_size: int = 64
+    clipping: Literal["auto", "ghost", "vmap"] = "auto"
     nonprivate: OptimConfig = OptimConfig(trainable="all", learning_rate=2e-5, batch_size=32, epochs=3.0)
     private: OptimConfig = OptimConfig(
         trainable="bias",

@@ -36,7 +36,9 @@ Training. Non-private: AdamW with linear warm-up then linear decay to 0, shuffle
 weight decay 0.01, max_seq_len 128). DP: the DP core (`dpbert.privacy`) with Poisson sampling
 of the task's training set at rate q = B/n, per-example clipping to `clip_norm`, Gaussian noise
 with the noise multiplier calibrated so the whole run spends exactly the requested
-(epsilon, delta); delta defaults to 1/n^1.1. The ledger of the task data is separate from the
+(epsilon, delta); delta defaults to 1/n^1.1. With `trainable: all`, per-example norms and the
+clipped sum come from ghost clipping through the model's taps (`dpbert.model.ghost`: exact, no
+per-example gradient of the whole model); the subsets use vmap. The ledger of the task data is separate from the
 pretraining ledger: the two guarantees cover different data sets and are reported side by side,
 never composed.
 
@@ -94,6 +96,7 @@ from dpbert.config.finetune_plan import describe as describe_derived
 from dpbert.config.plan import Plan
 from dpbert.data import glue
 from dpbert.model import BertForSequenceClassification
+from dpbert.model.ghost import ClassifierGhostLoss
 from dpbert.model.lora import add_lora, merge_lora
 from dpbert.privacy.randomness import RunSecret, mechanism_key
 from dpbert.privacy.sampling import poisson_sample
@@ -250,6 +253,18 @@ def _train(
     def loss_fn(params: nnx.State, example: Mapping[str, jax.Array], rng: jax.Array) -> jax.Array:
         return example_loss(task, forward(params, frozen, example, rng), example["labels"])
 
+    clipping = config.clipping
+    if clipping == "auto":
+        # Every parameter trained: ghost clipping (no per-example gradient of the whole model); the
+        # subsets train few parameters, whose per-example gradients vmap affords.
+        clipping = "ghost" if optim.trainable == "all" else "vmap"
+    if private and clipping == "ghost":
+        if optim.trainable != "all":
+            raise ValueError(f"clipping: 'ghost' taps every parameter; trainable {optim.trainable!r} needs 'vmap'")
+        loss_fn = ClassifierGhostLoss(
+            graphdef=forward.graphdef, loss_from_logits=lambda logits, ex: example_loss(task, logits, ex["labels"])
+        )
+
     def sample(index: int, t: int) -> Sample:
         if private:
             drawn = poisson_sample(run_key, t, n, stage.expected_batch_size, physical)
@@ -272,7 +287,7 @@ def _train(
             noise_multiplier=stage.noise_multiplier,
             expected_batch_size=stage.expected_batch_size,
             microbatch_size=microbatch,
-            clipping="vmap",
+            clipping=clipping,
             mesh=mesh,
             shardings=None,
         )
