@@ -12,8 +12,12 @@ import argparse
 import json
 import sys
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import dpbert
+
+if TYPE_CHECKING:
+    from dpbert.privacy.schedule import BatchSchedule
 
 
 def _add_noise_seed_file(p: argparse.ArgumentParser) -> None:
@@ -477,11 +481,72 @@ def _add_account(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
     def run(args: argparse.Namespace) -> int:
-        from dpbert.train.privacy_report import run_account  # deferred: per subcommand, see the module docstring
+        from dpbert.train import privacy_report  # deferred: per subcommand, see the module docstring
 
-        return run_account(args)
+        if args.recipe:
+            ledger = privacy_report.ledger_from_recipe(
+                args.recipe, overrides=args.set or (), dataset_size=args.dataset_size
+            )
+        else:
+            ledger = privacy_report.ledger_for_schedule(
+                _schedule_from_flags(args),
+                dataset_size=args.dataset_size,
+                delta=args.delta,
+                accountant=args.accountant,
+                clip_norm=args.clip_norm,
+                target_epsilon=args.target_epsilon,
+                per_stage=args.per_stage,
+            )
+        print(privacy_report.account_report(ledger, as_json=args.json))
+        return 0
 
     p.set_defaults(func=run)
+
+
+def _flag_list(text: str, field: str, kind: type) -> list:
+    try:
+        return [kind(v) for v in str(text).split(",")]
+    except ValueError:
+        what = "an integer" if kind is int else "a number"
+        raise ValueError(f"--{field} must be {what} or a comma-separated list, got {text!r}") from None
+
+
+def _broadcast(values: list, n: int, field: str) -> list:
+    if len(values) == 1:
+        return values * n
+    if len(values) != n:
+        raise ValueError(f"--{field} has {len(values)} values but the schedule has {n} stages")
+    return values
+
+
+def _schedule_from_flags(args: argparse.Namespace) -> BatchSchedule:
+    """`dpbert account`'s stages from --batch-size, --steps, --noise-multiplier (comma-separated
+    lists, one value per stage; a single value applies to every stage)."""
+    from dpbert.privacy.schedule import BatchSchedule, Stage  # deferred: per subcommand, see the module docstring
+
+    for name in ("dataset_size", "batch_size", "steps", "delta"):
+        if getattr(args, name) is None:
+            raise ValueError(f"--{name.replace('_', '-')} is required without a RECIPE")
+    if (args.noise_multiplier is None) == (args.target_epsilon is None):
+        raise ValueError("give exactly one of --noise-multiplier and --target-epsilon")
+    batches = _flag_list(args.batch_size, "batch-size", int)
+    steps = _flag_list(args.steps, "steps", int)
+    # With --target-epsilon the multipliers are calibrated; 1.0 is only the starting point.
+    sigmas = (
+        _flag_list(args.noise_multiplier, "noise-multiplier", float) if args.noise_multiplier is not None else [1.0]
+    )
+    n = max(len(batches), len(steps), len(sigmas))
+    return BatchSchedule(
+        stages=tuple(
+            Stage(steps=t, expected_batch_size=b, noise_multiplier=s)
+            for t, b, s in zip(
+                _broadcast(steps, n, "steps"),
+                _broadcast(batches, n, "batch-size"),
+                _broadcast(sigmas, n, "noise-multiplier"),
+                strict=True,
+            )
+        )
+    )
 
 
 def _add_plan(sub: argparse._SubParsersAction) -> None:

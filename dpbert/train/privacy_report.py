@@ -1,111 +1,80 @@
 """`dpbert account`: epsilon (or a calibrated noise multiplier) for a schedule, with its ledger.
 
-From flags: `--dataset-size N --batch-size B --steps T --noise-multiplier S --delta D`, where
-B, T and S may be comma-separated lists (one value per stage); `--target-epsilon E` instead of
-`--noise-multiplier` calibrates sigma (shared, or `--per-stage` for equal per-stage shares).
-From a recipe: `dpbert account RECIPE [--set k=v] [--dataset-size N]` builds the same plan
-the trainer builds (`dpbert.config.plan.make_plan`: calibration, physical batch sizes,
-budget check); N defaults to the size of the recipe's token store (`data.store`), else to the
-recipe's planned `target.dataset_size`.
+`ledger_for_schedule(schedule, ...)` is the ledger of a schedule given stage by stage (`dpbert
+account --dataset-size N --batch-size B --steps T --noise-multiplier S --delta D`, the lists
+parsed in `dpbert.cli`); with `target_epsilon` instead of the schedule's multipliers it
+calibrates sigma (shared, or `per_stage` for equal per-stage shares). `ledger_from_recipe(path,
+...)` (`dpbert account RECIPE [--set k=v] [--dataset-size N]`) builds the same plan the trainer
+builds (`dpbert.config.plan.make_plan`: calibration, physical batch sizes, budget check); N
+defaults to the size of the recipe's token store (`data.store`), else to the recipe's planned
+`target.dataset_size`. `account_report(ledger)` is the text the command prints.
 
 Guarantees: the printed epsilon is `PrivacyLedger.epsilon()` of the printed ledger, so the
-report and the ledger cannot disagree; `--json` prints one JSON object with at least
+report and the ledger cannot disagree; `as_json` (`--json`) gives one JSON object with at least
 `epsilon`, `delta`, `noise_multiplier` (a list when there are several stages), `accountant`.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
+from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from dpbert.config.plan import make_plan
 from dpbert.config.recipe import load_recipe
 from dpbert.data.store import TokenStore
 from dpbert.privacy.accounting import PrivacyLedger, calibrate_noise_multiplier
-from dpbert.privacy.schedule import BatchSchedule, Stage
+from dpbert.privacy.schedule import BatchSchedule
 
 
-def _ints(text: str, field: str) -> list[int]:
-    try:
-        values = [int(v) for v in str(text).split(",")]
-    except ValueError:
-        raise ValueError(f"--{field} must be an integer or a comma-separated list, got {text!r}") from None
-    return values
-
-
-def _floats(text: str, field: str) -> list[float]:
-    try:
-        return [float(v) for v in str(text).split(",")]
-    except ValueError:
-        raise ValueError(f"--{field} must be a number or a comma-separated list, got {text!r}") from None
-
-
-def _broadcast(values: list[Any], n: int, field: str) -> list[Any]:
-    if len(values) == 1:
-        return values * n
-    if len(values) != n:
-        raise ValueError(f"--{field} has {len(values)} values but the schedule has {n} stages")
-    return values
-
-
-def ledger_from_flags(args: argparse.Namespace) -> PrivacyLedger:
-    """The ledger described by the command-line flags (calibrating sigma if asked)."""
-    for name in ("dataset_size", "batch_size", "steps", "delta"):
-        if getattr(args, name) is None:
-            raise ValueError(f"--{name.replace('_', '-')} is required without a RECIPE")
-    if (args.noise_multiplier is None) == (args.target_epsilon is None):
-        raise ValueError("give exactly one of --noise-multiplier and --target-epsilon")
-    batches = _ints(args.batch_size, "batch-size")
-    steps = _ints(args.steps, "steps")
-    n = max(len(batches), len(steps))
-    sigmas = _floats(args.noise_multiplier, "noise-multiplier") if args.noise_multiplier is not None else [1.0]
-    n = max(n, len(sigmas))
-    schedule = BatchSchedule(
-        stages=tuple(
-            Stage(steps=t, expected_batch_size=b, noise_multiplier=s)
-            for t, b, s in zip(
-                _broadcast(steps, n, "steps"),
-                _broadcast(batches, n, "batch-size"),
-                _broadcast(sigmas, n, "noise-multiplier"),
-                strict=True,
-            )
-        )
-    )
-    if args.target_epsilon is not None:
+def ledger_for_schedule(
+    schedule: BatchSchedule,
+    *,
+    dataset_size: int,
+    delta: float,
+    accountant: str = "pld",
+    clip_norm: float = 1.0,
+    target_epsilon: float | None = None,
+    per_stage: bool = False,
+) -> PrivacyLedger:
+    """The ledger of `schedule` on `dataset_size` examples; with `target_epsilon`, its noise
+    multipliers are first calibrated to it (shared, or equal per-stage shares with `per_stage`)."""
+    if target_epsilon is not None:
         schedule = calibrate_noise_multiplier(
             schedule,
-            dataset_size=args.dataset_size,
-            target_epsilon=args.target_epsilon,
-            delta=args.delta,
-            accountant=args.accountant,
-            per_stage=args.per_stage,
+            dataset_size=dataset_size,
+            target_epsilon=target_epsilon,
+            delta=delta,
+            accountant=accountant,
+            per_stage=per_stage,
         )
     return PrivacyLedger.for_schedule(
         schedule,
-        dataset_size=args.dataset_size,
-        delta=args.delta,
-        clip_norm=args.clip_norm,
-        accountant=args.accountant,
-        target_epsilon=args.target_epsilon,
+        dataset_size=dataset_size,
+        delta=delta,
+        clip_norm=clip_norm,
+        accountant=accountant,
+        target_epsilon=target_epsilon,
     )
 
 
-def ledger_from_recipe(args: argparse.Namespace) -> PrivacyLedger:
-    """The ledger the trainer would plan for the recipe (same code path as `dpbert pretrain`)."""
-
-    recipe = load_recipe(args.recipe, args.set or ())
+def ledger_from_recipe(
+    recipe_path: str | Path, *, overrides: Sequence[str] = (), dataset_size: int | None = None
+) -> PrivacyLedger:
+    """The ledger the trainer would plan for the recipe (same code path as `dpbert pretrain`);
+    `dataset_size` None: the recipe's token store's size, else its `target.dataset_size`."""
+    recipe = load_recipe(recipe_path, overrides)
     if not recipe.privacy.enabled:
-        raise ValueError(f"{args.recipe}: privacy.enabled is false; a non-private recipe has no epsilon")
-    dataset_size = args.dataset_size
+        raise ValueError(f"{recipe_path}: privacy.enabled is false; a non-private recipe has no epsilon")
     if dataset_size is None and recipe.data.store is None:
         # A recipe written for data not at hand states its planned N (recipe field target.dataset_size).
         dataset_size = recipe.target.dataset_size
     if dataset_size is None:
         if recipe.data.store is None:
             raise ValueError(
-                f"{args.recipe}: give --dataset-size (the recipe has no data.store to count examples in, nor target.dataset_size)"
+                f"{recipe_path}: give --dataset-size (the recipe has no data.store to count examples in, nor target.dataset_size)"
             )
         dataset_size = len(TokenStore.open(recipe.data.store, split="train"))
     plan = make_plan(recipe, dataset_size)
@@ -159,11 +128,10 @@ def format_summary(info: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def run_account(args: argparse.Namespace) -> int:
-    """The `dpbert account` command: print the report (or one JSON object with --json)."""
-    ledger = ledger_from_recipe(args) if args.recipe else ledger_from_flags(args)
+def account_report(ledger: PrivacyLedger, *, as_json: bool = False) -> str:
+    """The `dpbert account` report of `ledger` (one JSON object with `as_json`); raises
+    ValueError when the ledger spends more than its target epsilon."""
     if ledger.target_epsilon is not None:
         ledger.check_budget()
     info = summary(ledger)
-    print(json.dumps(info, sort_keys=True) if args.json else format_summary(info))
-    return 0
+    return json.dumps(info, sort_keys=True) if as_json else format_summary(info)
