@@ -584,16 +584,46 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
         help="smallest cut of sigma/sqrt(B) per doubling of B "
         "worth halving the steps (default: dpbert.privacy.planner.DEFAULT_MIN_GAIN)",
     )
+    p.add_argument(
+        "--unit",
+        choices=["sequence", "document"],
+        default="sequence",
+        help="privacy unit: with document, N, B and --examples count documents (same calibration; default sequence)",
+    )
+    p.add_argument(
+        "--max-sequences-per-document",
+        type=int,
+        metavar="K",
+        help="with --unit document: sequences taken from a sampled document at most (adds B x K sequences per step)",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
     def run(args: argparse.Namespace) -> int:
         from dpbert.privacy import planner  # deferred: per subcommand, see the module docstring
 
-        if args.min_steps is None:
-            args.min_steps = planner.DEFAULT_MIN_STEPS
-        if args.min_gain is None:
-            args.min_gain = planner.DEFAULT_MIN_GAIN
-        return planner.plan_main(args)
+        if args.max_sequences_per_document is not None and args.unit != "document":
+            raise ValueError(
+                f"--max-sequences-per-document {args.max_sequences_per_document} needs --unit document "
+                f"(got --unit {args.unit}): a sequence unit has no per-document cap"
+            )
+        planner.quiet_accountant_warnings()
+        plan = planner.plan_batch_sizes(
+            dataset_size=args.dataset_size,
+            target_epsilon=args.target_epsilon,
+            delta=args.delta,
+            examples=args.examples,
+            steps=args.steps,
+            batch_sizes=planner.DEFAULT_BATCH_SIZES
+            if args.batch_sizes is None
+            else _flag_list(args.batch_sizes, "batch-sizes", int),
+            accountant=args.accountant,
+            min_steps=planner.DEFAULT_MIN_STEPS if args.min_steps is None else args.min_steps,
+            min_gain=planner.DEFAULT_MIN_GAIN if args.min_gain is None else args.min_gain,
+            unit=args.unit,
+            max_sequences_per_document=args.max_sequences_per_document,
+        )
+        print(json.dumps(plan.to_dict()) if args.json else planner.format_plan(plan))
+        return 0
 
     p.set_defaults(func=run)
 

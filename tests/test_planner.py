@@ -99,3 +99,40 @@ def test_plan_cli_prints_a_table_and_json(capsys):
     out = json.loads(capsys.readouterr().out)
     assert out["budget"] == "steps" and [r["steps"] for r in out["rows"]] == [40, 40]
     assert out["recommended"] in (512, 1024)
+
+
+def test_document_unit_labels_documents_and_keeps_the_sequence_sigma(capsys):
+    base = ["plan", "--dataset-size", "4000", "--target-epsilon", "8", "--delta", "1e-6", "--examples", "8192"]
+    base += ["--batch-sizes", "128,256"]
+    document = [*base, "--unit", "document", "--max-sequences-per-document", "16"]
+    assert main(base) == 0
+    sequence_table = capsys.readouterr().out
+    assert main(document) == 0
+    document_table = capsys.readouterr().out
+    assert "document" not in sequence_table and "batch B" in sequence_table
+    assert "N = 4,000 documents (privacy unit: one document, at most 16 sequences each)" in document_table
+    assert "fixed documents" in document_table and "docs B" in document_table and "batch B" not in document_table
+    assert "seqs <= B*K" in document_table and "2,048" in document_table and "4,096" in document_table
+
+    assert main([*base, "--json"]) == 0
+    sequence = json.loads(capsys.readouterr().out)
+    assert main([*document, "--json"]) == 0
+    documents = json.loads(capsys.readouterr().out)
+    assert documents["unit"] == "document" and documents["max_sequences_per_document"] == 16
+    assert [r["noise_multiplier"] for r in documents["rows"]] == [r["noise_multiplier"] for r in sequence["rows"]]
+    assert [r["steps"] for r in documents["rows"]] == [64, 32]
+    assert [r["max_sequences_per_step"] for r in documents["rows"]] == [128 * 16, 256 * 16]
+    assert sequence["unit"] == "sequence" and [r["max_sequences_per_step"] for r in sequence["rows"]] == [None, None]
+
+
+def test_a_document_cap_without_the_document_unit_is_refused(capsys):
+    argv = ["plan", "--dataset-size", "4000", "--target-epsilon", "8", "--delta", "1e-6", "--steps", "40"]
+    assert main([*argv, "--max-sequences-per-document", "16"]) == 1
+    err = capsys.readouterr().err
+    assert "--max-sequences-per-document" in err and "--unit document" in err
+    with pytest.raises(ValueError, match="max_sequences_per_document"):
+        plan_batch_sizes(dataset_size=4000, target_epsilon=8.0, delta=1e-6, steps=40, max_sequences_per_document=16)
+    with pytest.raises(ValueError, match="max_sequences_per_document must be >= 1"):
+        plan_batch_sizes(
+            dataset_size=4000, target_epsilon=8.0, delta=1e-6, steps=40, unit="document", max_sequences_per_document=0
+        )

@@ -15,6 +15,11 @@ clip norm), sigma/sqrt(B) (the noise-to-signal ratio of the whole run at a fixed
 budget, up to a constant: T steps of std sigma C / B accumulate sigma C sqrt(T) / B =
 sigma C / sqrt(B * examples)), steps, epochs and the sampling rate q = B / N.
 
+Privacy unit: with `unit="document"` (`dpbert plan --unit document`) N, B and the example budget
+count documents, and the accounting is identical (Poisson sampling of documents at q = B / N,
+the same calibration); with `max_sequences_per_document` K the table adds the sequences a step
+processes at most in expectation, B x K (each sampled document gives at most K sequences).
+
 Recommendation: the largest candidate that still leaves at least `min_steps` steps, unless a
 smaller one is already past the point of diminishing returns (doubling B would cut
 sigma/sqrt(B) by less than `min_gain`): past it the run only loses steps.
@@ -23,7 +28,6 @@ sigma/sqrt(B) by less than `min_gain`): past it the run only loses steps.
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import math
 from collections.abc import Sequence
@@ -53,6 +57,7 @@ class PlanRow:
     epsilon: float
     noise_over_batch: float  # sigma / B: noise std of the averaged gradient, per unit of clip norm
     noise_over_sqrt_batch: float  # sigma / sqrt(B): noise-to-signal at a fixed example budget (relative)
+    max_sequences_per_step: int | None = None  # document unit with a cap K: B x K, else None
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -70,6 +75,8 @@ class BatchPlan:
     rows: tuple[PlanRow, ...]
     recommended: int | None  # an expected batch size of `rows`, or None when none qualifies
     reason: str
+    unit: str = "sequence"  # what N, B and the examples count: "sequence" or "document"
+    max_sequences_per_document: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -78,6 +85,8 @@ class BatchPlan:
             "delta": self.delta,
             "accountant": self.accountant,
             "budget": self.budget,
+            "unit": self.unit,
+            "max_sequences_per_document": self.max_sequences_per_document,
             "recommended": self.recommended,
             "reason": self.reason,
             "rows": [r.to_dict() for r in self.rows],
@@ -112,10 +121,21 @@ def plan_batch_sizes(
     accountant: str = "rdp",
     min_steps: int = DEFAULT_MIN_STEPS,
     min_gain: float = DEFAULT_MIN_GAIN,
+    unit: str = "sequence",
+    max_sequences_per_document: int | None = None,
 ) -> BatchPlan:
     """Calibrate each candidate batch size (see the module docstring). Give `examples` (a fixed
     budget of examples processed: steps = examples / B) or `steps` (a fixed step count: examples
-    = steps * B). Candidates larger than `dataset_size` are left out."""
+    = steps * B). Candidates larger than `dataset_size` are left out. `unit` says what N, B and
+    examples count; it changes labels, not sigma."""
+    if unit not in ("sequence", "document"):
+        raise ValueError(f"unit must be 'sequence' or 'document', got {unit!r}")
+    if max_sequences_per_document is not None and unit != "document":
+        raise ValueError(
+            f"max_sequences_per_document ({max_sequences_per_document!r}) is only for unit 'document', got unit {unit!r}"
+        )
+    if max_sequences_per_document is not None and max_sequences_per_document < 1:
+        raise ValueError(f"max_sequences_per_document must be >= 1, got {max_sequences_per_document!r}")
     if (examples is None) == (steps is None):
         raise ValueError("give exactly one of examples (an example budget) or steps (a step count)")
     if examples is not None and examples < 1:
@@ -155,6 +175,7 @@ def plan_batch_sizes(
                 epsilon=eps,
                 noise_over_batch=sigma / b,
                 noise_over_sqrt_batch=sigma / math.sqrt(b),
+                max_sequences_per_step=None if max_sequences_per_document is None else b * max_sequences_per_document,
             )
         )
     recommended, reason = _recommend(rows, min_steps=min_steps, min_gain=min_gain)
@@ -167,6 +188,8 @@ def plan_batch_sizes(
         rows=tuple(rows),
         recommended=recommended,
         reason=reason,
+        unit=unit,
+        max_sequences_per_document=max_sequences_per_document,
     )
 
 
@@ -199,41 +222,28 @@ def quiet_accountant_warnings() -> None:
 
 
 def format_plan(plan: BatchPlan) -> str:
-    """The plan as a fixed-width table with the recommendation under it."""
+    """The plan as a fixed-width table with the recommendation under it; with the document unit
+    the labels say documents (and, given the cap K, a column of sequences per step, B x K)."""
+    documents = plan.unit == "document"
+    cap = plan.max_sequences_per_document
+    if documents:
+        unit = "one document" + (f", at most {cap:,} sequences each" if cap is not None else "")
+        size = f"{plan.dataset_size:,} documents (privacy unit: {unit})"
+        budget = "documents" if plan.budget == "examples" else plan.budget
+    else:
+        size, budget = f"{plan.dataset_size:,}", plan.budget
     lines = [
-        f"dpbert plan: N = {plan.dataset_size:,}, epsilon {plan.target_epsilon:g} at delta {plan.delta:g} "
-        f"({plan.accountant}), fixed {plan.budget}",
-        f"{'batch B':>9} {'q = B/N':>9} {'steps':>7} {'epochs':>7} {'sigma':>8} {'sigma/B':>10} {'sigma/sqrt(B)':>14}",
+        f"dpbert plan: N = {size}, epsilon {plan.target_epsilon:g} at delta {plan.delta:g} "
+        f"({plan.accountant}), fixed {budget}",
+        f"{'docs B' if documents else 'batch B':>9} {'q = B/N':>9} {'steps':>7} {'epochs':>7} {'sigma':>8} "
+        f"{'sigma/B':>10} {'sigma/sqrt(B)':>14}" + (f" {'seqs <= B*K':>12}" if cap is not None else ""),
     ]
     for r in plan.rows:
         mark = "  <- recommended" if r.expected_batch_size == plan.recommended else ""
+        seqs = f" {r.max_sequences_per_step:>12,}" if r.max_sequences_per_step is not None else ""
         lines.append(
             f"{r.expected_batch_size:>9,} {r.sampling_rate:>9.4f} {r.steps:>7,} {r.epochs:>7.2f} "
-            f"{r.noise_multiplier:>8.4f} {r.noise_over_batch:>10.2e} {r.noise_over_sqrt_batch:>14.4f}{mark}"
+            f"{r.noise_multiplier:>8.4f} {r.noise_over_batch:>10.2e} {r.noise_over_sqrt_batch:>14.4f}{seqs}{mark}"
         )
     lines.append(f"recommended expected batch size: {plan.recommended if plan.recommended else 'none'} ({plan.reason})")
     return "\n".join(lines)
-
-
-def plan_main(args: Any) -> int:
-    """`dpbert plan` entry point (argparse namespace from dpbert.cli)."""
-    quiet_accountant_warnings()
-
-    sizes = (
-        DEFAULT_BATCH_SIZES
-        if args.batch_sizes is None
-        else tuple(int(b) for b in str(args.batch_sizes).split(",") if b.strip())
-    )
-    plan = plan_batch_sizes(
-        dataset_size=args.dataset_size,
-        target_epsilon=args.target_epsilon,
-        delta=args.delta,
-        examples=args.examples,
-        steps=args.steps,
-        batch_sizes=sizes,
-        accountant=args.accountant,
-        min_steps=args.min_steps,
-        min_gain=args.min_gain,
-    )
-    print(json.dumps(plan.to_dict()) if args.json else format_plan(plan))
-    return 0
