@@ -15,7 +15,7 @@ from dpbert.model import functional
 from dpbert.model.bert import BertForMaskedLM
 from dpbert.privacy.clipping import clipped_grad_sum
 from dpbert.privacy.ghost_clipping import ghost_clipped_grad_sum
-from dpbert.train.mlm import MaskedMLMGhostLoss, make_loss_fn, make_masker, max_predictions
+from dpbert.train.mlm import MaskedMLMGhostLoss, all_selected_masked, make_loss_fn, make_masker, max_predictions
 
 VOCAB, SEQ = 97, 24
 SPECIALS = (0, 1, 2, 3, 4)  # [PAD] [UNK] [CLS] [SEP] [MASK]
@@ -118,3 +118,25 @@ def test_clipped_sums_of_masked_only_and_full_heads_agree(setup):
     for a, b, c in zip(*(jax.tree_util.tree_leaves(t) for t in (ref, vm, gh)), strict=True):
         np.testing.assert_allclose(b, a, rtol=2e-4, atol=2e-6)
         np.testing.assert_allclose(c, a, rtol=2e-4, atol=2e-6)
+
+
+def test_held_out_scoring_shows_every_selected_token_as_mask():
+    """Training shows 10% of the selected tokens unchanged and 10% as random tokens; scoring held-out
+    text shows [MASK] at all of them (a model that copies its input must not score), nothing else moves."""
+    masker = make_masker(
+        vocab_size=VOCAB, mask_token_id=4, special_token_ids=SPECIALS, pad_id=0, mask_prob=0.3, num_predictions=SEQ
+    )
+    ids = np.random.default_rng(1).integers(5, VOCAB, (400, SEQ)).astype(np.int32)
+    ids[:, 0] = 2  # [CLS]: never selected, where the masker's unused slots point
+    x = jax.vmap(masker, in_axes=(None, None, 0, 0))(jax.random.key(0), 0, jnp.arange(400), jnp.asarray(ids))
+    w = np.asarray(x["label_weights"]) > 0
+    rows = np.arange(400)[:, None]
+    trained = np.asarray(x["input_ids"])[rows, np.asarray(x["masked_positions"])][w]
+    labels = np.asarray(x["labels"])[w]
+    kept = np.mean(trained == labels)
+    assert 0.08 < kept < 0.13, kept  # 10% kept + 1/92 of the random 10% (about 2,900 selected tokens)
+    shown = np.asarray(all_selected_masked(x, 4))
+    assert np.all(shown[rows, np.asarray(x["masked_positions"])][w] == 4)
+    selected = np.zeros(ids.shape, bool)
+    np.put_along_axis(selected, np.asarray(x["masked_positions"]), w, axis=1)
+    assert np.array_equal(shown[~selected], ids[~selected])

@@ -460,7 +460,7 @@ def pretrain(
         num_predictions=max_predictions(manifest.seq_len, recipe.data.mask_prob),
     )
     loss_fn = make_mlm_loss(recipe, graphdef, masker, masking_key)
-    eval_fn = make_eval_fn(graphdef, masker)
+    eval_fn = make_eval_fn(graphdef, masker, manifest.mask_id)
     mb = recipe.train.microbatch_size
     device_batches = tuple(device_batch_size(b, devices, mb) for b in plan.physical_batch_sizes)
     _log_setup(recipe, plan, mesh, device_batches, log)
