@@ -107,6 +107,7 @@ from dpbert.train import distributed
 from dpbert.train.checkpoint import CheckpointStore
 from dpbert.train.classifier import (
     Forward,
+    auto_clipping,
     count_params,
     describe_trainable,
     evaluate,
@@ -253,16 +254,12 @@ def _train(
     def loss_fn(params: nnx.State, example: Mapping[str, jax.Array], rng: jax.Array) -> jax.Array:
         return example_loss(task, forward(params, frozen, example, rng), example["labels"])
 
-    clipping = config.clipping
-    if clipping == "auto":
-        # Every parameter trained: ghost clipping (no per-example gradient of the whole model); the
-        # subsets train few parameters, whose per-example gradients vmap affords.
-        clipping = "ghost" if optim.trainable == "all" else "vmap"
-    if private and clipping == "ghost":
-        if optim.trainable != "all":
-            raise ValueError(f"clipping: 'ghost' taps every parameter; trainable {optim.trainable!r} needs 'vmap'")
+    clipping = auto_clipping(optim.trainable) if config.clipping == "auto" else config.clipping
+    if private and clipping == "ghost":  # taps on the trained parameters only; the rest stays frozen
         loss_fn = ClassifierGhostLoss(
-            graphdef=forward.graphdef, loss_from_logits=lambda logits, ex: example_loss(task, logits, ex["labels"])
+            graphdef=forward.graphdef,
+            frozen=frozen,
+            loss_from_logits=lambda logits, ex: example_loss(task, logits, ex["labels"]),
         )
 
     def sample(index: int, t: int) -> Sample:
