@@ -16,7 +16,7 @@ from dpbert.model.bert import BertForSequenceClassification
 from dpbert.model.ghost import ClassifierGhostLoss
 from dpbert.model.lora import LoRAConfig, add_lora
 from dpbert.privacy.clipping import clipped_grad_sum
-from dpbert.privacy.ghost_clipping import Bias, Dense, ScaleBias, ghost_clipped_grad_sum, ghost_sq_norms
+from dpbert.privacy.ghost_clipping import Bias, Dense, ScaleBias, ghost_clipped_grad_sum
 from dpbert.train.classifier import trainable_filter
 
 V, L, B, MB = 53, 10, 6, 3
@@ -87,9 +87,6 @@ def test_subset_ghost_sum_equals_per_example_clipping(subset: str, layer_mode: s
     key = jax.random.key(9)
     is_padding = np.array([False, False, True, False, False, False])
     _, norms = _one_by_one(graphdef, frozen, trained, batch, is_padding, key, 1.0)
-    keys = jax.vmap(lambda i: jax.random.fold_in(key, i))(jnp.arange(B))
-    _, sq = jax.jit(lambda p: ghost_sq_norms(loss, p, batch, keys))(trained)
-    np.testing.assert_allclose(np.sqrt(np.asarray(sq)), norms, rtol=1e-5)
     real = np.sort(norms[~is_padding])
     clip_norm = float(real[2] + real[3]) / 2  # 2 of the 5 real examples clipped
     want, _ = _one_by_one(graphdef, frozen, trained, batch, is_padding, key, clip_norm)
