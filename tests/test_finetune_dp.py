@@ -259,10 +259,11 @@ def test_dp_finetune_on_eight_devices_equals_one_device(tiny: Path) -> None:
     assert shared and max(float(np.max(np.abs(weights[1][k] - moved[k]))) for k in shared) > 1e-3
 
 
-def test_dp_finetune_of_every_parameter_clips_by_ghost_norms_as_vmap_does(tiny: Path) -> None:
-    """`trainable: all` under DP takes ghost clipping (the model's taps, no per-example gradient of
-    the whole model) by default; with the same secret it ends where vmap's per-example clipping
-    ends, every parameter moved. A subset asked to clip by ghost norms is refused by name."""
+@pytest.mark.parametrize("trainable", ["all", "lora"])
+def test_dp_finetune_clips_by_ghost_norms_as_vmap_does(tiny: Path, trainable: str) -> None:
+    """Ghost clipping through the model's taps (`trainable: all` takes it by default; the LoRA
+    factors are taps too) ends, with the same secret, where vmap's per-example clipping ends, every
+    trained parameter moved."""
     import numpy as np
     from safetensors.numpy import load_file
 
@@ -271,23 +272,28 @@ def test_dp_finetune_of_every_parameter_clips_by_ghost_norms_as_vmap_does(tiny: 
 
     seed = tiny / "ghost_secret.hex"
     seed.write_text("ef" * 32)
-    base = ["dp=true", "max_seq_len=12", "private.trainable=all", "private.batch_size=100", "private.epochs=1",
-            "private.learning_rate=1e-2", "privacy.clip_norm=0.1", "privacy.accountant=rdp", "microbatch_size=10"]  # fmt: skip
+    base = ["dp=true", "max_seq_len=12", f"private.trainable={trainable}", "private.batch_size=100",
+            "private.epochs=1", "private.learning_rate=1e-2", "privacy.clip_norm=0.1", "privacy.accountant=rdp",
+            "microbatch_size=10", "lora.rank=2", "lora.targets=[query,value,intermediate]"]  # fmt: skip
     weights = {}
-    for clipping in ("auto", "vmap"):
-        out = tiny / f"all_{clipping}"
-        config = load_config(None, [*base, f"clipping={clipping}"])
+    for clipping in ("ghost", "vmap"):
+        out = tiny / f"{trainable}_{clipping}"
+        asked = "auto" if clipping == "ghost" and trainable == "all" else clipping  # auto: ghost for all
+        config = load_config(None, [*base, f"clipping={asked}"])
         result = finetune(task="sst2", model=str(tiny / "model"), data=tiny / "SST-2", output_dir=out,
                           config=config, noise_seed_file=seed, log=lambda s: None)  # fmt: skip
         assert result["steps"] == 8
         weights[clipping] = load_file(str(out / "model" / "model.safetensors"))
     start = load_file(str(tiny / "model" / "model.safetensors"))
+    moved = set()
     for name, value in weights["vmap"].items():  # 8 DP steps at lr 1e-2: a wrong clip moves far more
-        np.testing.assert_allclose(weights["auto"][name], value, atol=2e-5, rtol=0, err_msg=name)
-        if name in start:
-            assert float(np.max(np.abs(value - start[name]))) > 1e-4, name  # every parameter trained
-    with pytest.raises(ValueError, match="clipping: 'ghost' taps every parameter; trainable 'bias'"):
-        finetune(task="sst2", model=str(tiny / "model"), data=tiny / "SST-2", output_dir=tiny / "bias_ghost",
-                 config=load_config(None, [*base[:2], "private.batch_size=100", "private.epochs=1",
-                                           "private.learning_rate=1e-2", "clipping=ghost"]),
-                 noise_seed_file=seed, log=lambda s: None)  # fmt: skip
+        np.testing.assert_allclose(weights["ghost"][name], value, atol=2e-5, rtol=0, err_msg=name)
+        if name in start and float(np.max(np.abs(value - start[name]))) > 1e-4:
+            moved.add(name)
+    if trainable == "all":
+        assert moved == set(start) & set(weights["vmap"])  # every parameter trained
+    else:  # the merged LoRA updates of every target kernel (the only 1-layer model's kernels that move)
+        assert {n for n in moved if n.endswith("kernel") or n.endswith("weight")} == {
+            f"bert.encoder.layer.0.{t}.weight"
+            for t in ("attention.self.query", "attention.self.value", "intermediate.dense")
+        }

@@ -33,7 +33,7 @@ def test_derived_defaults_on_a_grid_of_sizes_and_epsilons(n: int) -> None:
 def test_learning_rate_follows_the_trained_subset_and_epochs_can_be_given() -> None:
     lrs = {t: fp.derive_dp_defaults(dataset_size=2_000, epsilon=8, delta=1e-4, trainable=t, epochs=3).learning_rate
            for t in ("all", "bias", "lora", "head")}  # fmt: skip
-    assert lrs == {"all": 5e-4, "bias": 1e-2, "lora": 5e-3, "head": 1e-2}
+    assert lrs == {"all": 5e-4, "bias": 1e-2, "lora": 1e-2, "head": 1e-2}
     d = fp.derive_dp_defaults(dataset_size=2_000, epsilon=8, delta=1e-4, trainable="lora", epochs=3)
     assert d.epochs == 3.0 and d.reasons["epochs"] == "given"
     with pytest.raises(ValueError, match="trainable"):

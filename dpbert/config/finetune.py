@@ -117,7 +117,8 @@ class FinetuneConfig:
     `tokenizer: null` loads the tokenizer from the model folder. `microbatch_size` only trades
     memory for speed (DP results do not depend on it), and so does `clipping` ("auto": ghost
     clipping through the model's taps when every parameter is trained, vmap per-example gradients
-    for a subset; "ghost" or "vmap" to choose; the same clipped sum either way). `lora` applies when a mode trains
+    for a subset, where the two tie in speed; "ghost" (taps on the trained parameters only, LoRA
+    factors included) or "vmap" to choose; the same clipped sum either way). `lora` applies when a mode trains
     `lora`; `eval_every_epochs`: evaluate after every k-th epoch (and always at the end).
     `train_pooler`: whether the head includes the pooler's kernel under `bias`, `lora` and
     `head` (null: only when the checkpoint has no pretrained pooler). Default true: a pretrained

@@ -4,16 +4,20 @@ per-example gradients.
 
 - `MLMGhostLoss`: the masked-LM loss of a `BertForMaskedLM` (pretraining), one sequence or one
   document (`input_ids` [K, L] with `sequence_padding` [K], `dpbert.privacy.documents`);
-- `ClassifierGhostLoss`: the loss of a `BertForSequenceClassification` (GLUE fine-tuning of
-  every parameter: the "all" trainable subset).
+- `ClassifierGhostLoss`: the loss of a `BertForSequenceClassification` (GLUE fine-tuning) over
+  its trained parameters: every parameter ("all"), or a subset with the rest frozen (`frozen`:
+  bias terms + head, LoRA factors + head, the head alone).
 
 Each is also a plain `loss_fn(params, example, rng)`, so the vmap path
 (`dpbert.privacy.clipping`) and the ghost path clip the same function. Their taps cover every
-parameter, declared from the params tree: word and token-type tables (`Lookup`), position
-table (`Positions`), every sub-module with a kernel (`Dense`) or a LayerNorm scale
-(`ScaleBias`), and the MLM decoder (`Dense` on the tied word table, transposed, with the MLM
-bias; or the untied decoder's kernel). The encoder's taps form one stacked group: the model's
-own scanned layer body runs with taps (`bert.Tap`), so compile time does not grow with depth.
+trained parameter, declared from the params tree: word and token-type tables (`Lookup`),
+position table (`Positions`), every sub-module with a kernel (`Dense`) or a LayerNorm scale
+(`ScaleBias`), each LoRA factor (`Dense`: x -> x A and x A -> (x A) B, `dpbert.model.lora`),
+and the MLM decoder (`Dense` on the tied word table, transposed, with the MLM bias; or the
+untied decoder's kernel). A frozen parameter gets no tap (and no gradient); a trained bias
+whose kernel or scale is frozen gets a `Bias` tap on its layer's output. The encoder's taps
+form one stacked group: the model's own scanned layer body runs with taps (`bert.Tap`), so
+compile time does not grow with depth; a group without taps is left out.
 
 Forward numerics: the tapped forward calls the model's own submodules (embeddings, Linear,
 LayerNorm, attention, pooler, dropout sites and keys), so the loss and its dropout masks are
@@ -23,7 +27,7 @@ those of the plain forward (`dpbert.model.functional`). `remat` is ignored here.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
@@ -34,9 +38,11 @@ from flax import nnx
 from dpbert.model import bert
 from dpbert.model.bert import BertForMaskedLM, BertForSequenceClassification, BertModel
 from dpbert.model.functional import merge
+from dpbert.model.lora import LoRALinear
 from dpbert.privacy.documents import SEQUENCE_PADDING
 from dpbert.privacy.ghost_clipping import (
     LAYER_MODES,
+    Bias,
     Dense,
     Lookup,
     Path,
@@ -67,29 +73,43 @@ def classifier_loss_from_logits(logits: jax.Array, example: dict[str, jax.Array]
 
 
 class _Taps(bert.Tap):
-    """`bert.Tap` that records every sub-layer on a `Tape` under `prefix` + its name."""
+    """`bert.Tap` that records the declared taps (`taps`: name -> kind, names under `prefix`) on a
+    `Tape`; a sub-layer without a tap (its parameters frozen) runs plainly."""
 
-    def __init__(self, tape: Tape, prefix: str = ""):
+    def __init__(self, tape: Tape, taps: Mapping[str, TapKind], prefix: str = ""):
         self.tape = tape
+        self.taps = taps
         self.prefix = prefix
 
+    def _record(self, name: str, y: jax.Array, x: Any = None) -> jax.Array:
+        kind = self.taps.get(name)
+        if kind is None:
+            return y
+        return self.tape(name, y, None if isinstance(kind, Bias | Positions) else x)
+
     def dense(self, name: str, layer: nnx.Linear, x: jax.Array) -> jax.Array:
-        return self.tape(self.prefix + name, layer(x), x)
+        name = self.prefix + name
+        if isinstance(layer, LoRALinear):  # taps "<name>/base", "<name>/lora_a", "<name>/lora_b"
+            return layer(x, lambda part, y, a: self._record(f"{name}/{part}", y, a))
+        return self._record(name, layer(x), x)
 
     def layer_norm(self, name: str, ln: nnx.LayerNorm, x: jax.Array) -> jax.Array:
+        name = self.prefix + name
+        if not isinstance(self.taps.get(name), ScaleBias):  # frozen, or a Bias tap on the output
+            return self._record(name, ln(x))
         # Same statistics as flax's LayerNorm (float32, fast variance); xhat is the input of the
         # affine part, whose per-example gradients are sum_t g_t * xhat_t and sum_t g_t.
         xf = x.astype(_F32)
         mean = jnp.mean(xf, -1, keepdims=True)
         var = jnp.maximum(jnp.mean(jnp.square(xf), -1, keepdims=True) - jnp.square(mean), 0.0)
         xhat = (xf - mean) * jax.lax.rsqrt(var + ln.epsilon)
-        return self.tape(self.prefix + name, ln(x), xhat)
+        return self.tape(name, ln(x), xhat)
 
     def embed(self, name: str, table: jax.Array, ids: jax.Array) -> jax.Array:
-        return self.tape(self.prefix + name, super().embed(name, table, ids), ids)
+        return self._record(self.prefix + name, super().embed(name, table, ids), ids)
 
     def positions(self, name: str, table: jax.Array, length: int) -> jax.Array:
-        return self.tape(self.prefix + name, super().positions(name, table, length))
+        return self._record(self.prefix + name, super().positions(name, table, length))
 
 
 def _name(path: Path) -> str:
@@ -103,56 +123,94 @@ def _leaf_paths(tree: Any) -> set[Path]:
     }
 
 
-def _module_taps(tree: Any, layer_mode: str, prefix: Path = ()) -> dict[str, TapKind]:
-    """A `Dense` tap for every sub-module of `tree` with a kernel, a `ScaleBias` for every one with
-    a scale (LayerNorm), named by their path (under `prefix`); biases go with them."""
+def _module_taps(
+    tree: Any, layer_mode: str, prefix: Path = (), trained: Callable[[Path], bool] = lambda path: True
+) -> dict[str, TapKind]:
+    """Taps of the sub-modules of `tree` whose parameters are `trained` (paths under `prefix`),
+    named by their path: a `Dense` for a trained kernel or LoRA factor (with its bias when that is
+    trained too), a `ScaleBias` for a trained LayerNorm scale (and bias), a `Bias` on the output
+    of a layer whose bias alone is trained. Frozen parameters get nothing."""
     leaves = _leaf_paths(tree)
     taps: dict[str, TapKind] = {}
     for path in leaves:
         parent = (*prefix, *path[:-1])
-        bias = (*parent, "bias") if (*path[:-1], "bias") in leaves else None
-        if path[-1] == "kernel":
-            taps[_name(parent)] = Dense((*parent, "kernel"), bias, mode=layer_mode)
-        elif path[-1] == "scale":
-            taps[_name(parent)] = ScaleBias((*parent, "scale"), bias)
+        full = (*prefix, *path)
+        bias = (*parent, "bias") if (*path[:-1], "bias") in leaves and trained((*parent, "bias")) else None
+        if path[-1] == "kernel" and trained(full):
+            taps[_name(parent)] = Dense(full, bias, mode=layer_mode)
+        elif path[-1] == "scale" and trained(full):
+            taps[_name(parent)] = ScaleBias(full, bias)
+        elif path[-1] in ("kernel", "scale") and bias is not None:
+            taps[_name(parent)] = Bias(bias)
+        elif path[-1] in ("lora_a", "lora_b") and trained(full):
+            taps[_name(full)] = Dense(full, mode=layer_mode)
     return taps
 
 
-def _embedding_taps(params: Any) -> dict[str, TapKind]:
-    table = lambda name: (*_EMBEDDINGS, name, "embedding")  # noqa: E731
-    return {
-        _name((*_EMBEDDINGS, "word_embeddings")): Lookup(table("word_embeddings")),
-        _name((*_EMBEDDINGS, "token_type_embeddings")): Lookup(table("token_type_embeddings")),
-        _name((*_EMBEDDINGS, "position_embeddings")): Positions(table("position_embeddings")),
-        **_module_taps(params["bert"]["embeddings"]["LayerNorm"], "mixed", (*_EMBEDDINGS, "LayerNorm")),
+def _embedding_taps(params: Any, trained: Callable[[Path], bool] = lambda path: True) -> dict[str, TapKind]:
+    tables = {
+        "word_embeddings": Lookup,
+        "token_type_embeddings": Lookup,
+        "position_embeddings": Positions,
     }
+    taps: dict[str, TapKind] = {
+        _name((*_EMBEDDINGS, name)): kind((*_EMBEDDINGS, name, "embedding"))
+        for name, kind in tables.items()
+        if trained((*_EMBEDDINGS, name, "embedding"))
+    }
+    layer_norm = (*_EMBEDDINGS, "LayerNorm")
+    return taps | _module_taps(params["bert"]["embeddings"]["LayerNorm"], "mixed", layer_norm, trained)
 
 
-def _encoder_group(params: Any, layer_mode: str) -> TapGroup:
+def _encoder_taps(params: Any, layer_mode: str, trained: Callable[[Path], bool] = lambda path: True):
+    """The encoder layer's taps (paths inside one layer of the stack)."""
     layers = params["bert"]["encoder"]["layer"]
-    return TapGroup(_module_taps(layers, layer_mode), stacked_at=_LAYER_PARAMS, scan=bert.layer_scan)
+    return _module_taps(layers, layer_mode, (), lambda path: trained((*_LAYER_PARAMS, *path)))
+
+
+def _groups(rest: dict[str, TapKind], layers: dict[str, TapKind]) -> dict[str, TapGroup]:
+    """The tap groups, leaving out a group without taps (nothing trained there)."""
+    groups = {REST: TapGroup(rest), LAYERS: TapGroup(layers, stacked_at=_LAYER_PARAMS, scan=bert.layer_scan)}
+    return {name: group for name, group in groups.items() if group.taps}
 
 
 def _tapped_encoder(
-    encoder: BertModel, example: dict[str, jax.Array], rng: jax.Array | None, tape: Tape, z_layers: Any, batched: Any
+    encoder: BertModel,
+    example: dict[str, jax.Array],
+    rng: jax.Array | None,
+    tape: Tape,
+    groups: Mapping[str, TapGroup],
+    z_layers: Any,
+    batched: Any,
 ) -> tuple[jax.Array, Any, Any]:
     """(last hidden states [B, L, H], layer tap inputs, layer tap outputs (None unless probing:
-    z_layers None)) of the example's sequences as a batch `batched(x)`; embeddings on `tape`."""
+    z_layers None)) of the example's sequences as a batch `batched(x)`; embeddings on `tape`;
+    the taps declared in `groups`."""
     ids = batched(example["input_ids"])
     types = example.get("token_type_ids")
     types = jnp.zeros_like(ids) if types is None else batched(types)
     mask = example.get("attention_mask")
     mask = bert.attention_mask_4d(None if mask is None else batched(mask))
-    embed_taps = _Taps(tape, _name(_EMBEDDINGS) + "/")
+    embed_taps = _Taps(tape, _group_taps(groups, REST), _name(_EMBEDDINGS) + "/")
     x = encoder.embeddings(ids, types, bert.fold_key(rng, bert.SITE_EMBEDDINGS), embed_taps)
+    layer_taps = _group_taps(groups, LAYERS)
 
     def body(layer: Any, x: jax.Array, i: jax.Array, z_i: Any) -> tuple[jax.Array, Any]:
         layer_tape = Tape(z_i)
-        x = layer(x, mask, bert.layer_key(rng, i), _Taps(layer_tape))
+        x = layer(x, mask, bert.layer_key(rng, i), _Taps(layer_tape, layer_taps))
         return x, (layer_tape.inputs, layer_tape.outputs if z_layers is None else None)
 
     x, (inputs, outputs) = bert.scan_layers(encoder.encoder.layer, x, body, z_layers)
     return x, inputs, outputs
+
+
+def _group_taps(groups: Mapping[str, TapGroup], name: str) -> Mapping[str, TapKind]:
+    return groups[name].taps if name in groups else {}
+
+
+def _only(groups: Mapping[str, TapGroup], trees: Mapping[str, Any]) -> dict[str, Any]:
+    """The tapped trees of the declared groups (a group without taps is not returned)."""
+    return {name: tree for name, tree in trees.items() if name in groups}
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -209,7 +267,7 @@ class MLMGhostLoss(_BertGhostLoss):
             **_module_taps(params["cls"]["predictions"]["transform"], self.layer_mode, (*predictions, "transform")),
             _name((*predictions, "decoder")): decoder,
         }
-        return {REST: TapGroup(rest), LAYERS: _encoder_group(params, self.layer_mode)}
+        return _groups(rest, _encoder_taps(params, self.layer_mode))
 
     def tapped(self, params: Any, example: dict[str, jax.Array], rng: jax.Array | None, z: dict | None):
         """(loss, tap inputs, tap outputs) of one example, z added at each tap output (z None:
@@ -218,17 +276,18 @@ class MLMGhostLoss(_BertGhostLoss):
         A document example (`input_ids` [K, L]) runs as a batch of K inside: its taps hold all
         the document's tokens, so the per-example norms are those of its summed gradient."""
         model = self._model(params, BertForMaskedLM)
+        groups = self.tap_groups(params)
         tape = Tape(None if z is None else z[REST])
         document = example["input_ids"].ndim == 2
         batched = (lambda x: x) if document else (lambda x: x[None])
         x, layer_inputs, layer_outputs = _tapped_encoder(
-            model.bert, example, rng, tape, None if z is None else z[LAYERS], batched
+            model.bert, example, rng, tape, groups, None if z is None else z[LAYERS], batched
         )
         positions = example.get("masked_positions")
         if positions is not None:
             x = jnp.take_along_axis(x, batched(positions)[:, :, None], axis=1)
         head = model.cls.predictions
-        x = head.transform(x, _Taps(tape, "cls/predictions/transform/"))
+        x = head.transform(x, _Taps(tape, groups[REST].taps, "cls/predictions/transform/"))
         if head.decoder is None:
             table = model.bert.embeddings.word_embeddings.embedding[...]
             logits = jnp.einsum("...h,vh->...v", x, table.astype(head.dtype))
@@ -248,35 +307,47 @@ class MLMGhostLoss(_BertGhostLoss):
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ClassifierGhostLoss(_BertGhostLoss):
-    """Per-example loss of a dpbert `BertForSequenceClassification` over EVERY parameter
-    (embeddings, encoder, pooler, classifier), with ghost clipping support.
+    """Per-example loss of a dpbert `BertForSequenceClassification` over its trained parameters,
+    with ghost clipping support: `params` is every parameter (`frozen` None), or the trained
+    subset and `frozen` the rest (an `nnx.State`, e.g. `params.split(filter, ...)`: bias terms +
+    head, LoRA factors + head, the head alone). Only the trained parameters have taps, so the
+    clipped sum is over them alone, as the vmap path's gradient of the same function.
 
     `example` holds `input_ids` [L], `attention_mask` [L], `token_type_ids` [L] and `labels`
     (a scalar); `loss_from_logits(logits [num_labels], example) -> scalar` defaults to the
     cross-entropy (pass a squared error for a regression task). The logits are those of
-    `functional.classifier_logits` with the same dropout key. `layer_mode` as `MLMGhostLoss`.
-    """
+    `functional.classifier_logits` on the merged parameters with the same dropout key.
+    `layer_mode` as `MLMGhostLoss`. `frozen` takes no part in comparisons or the hash (its
+    values do not change the program)."""
 
     loss_from_logits: Callable[[jax.Array, dict[str, jax.Array]], jax.Array] = classifier_loss_from_logits
+    frozen: Any = dataclasses.field(default=None, compare=False)
+
+    def _all(self, params: Any) -> Any:
+        return params if self.frozen is None else nnx.merge_state(params, self.frozen)
 
     def tap_groups(self, params: Any) -> dict[str, TapGroup]:
+        full, trained = self._all(params), _leaf_paths(params)
+        is_trained = trained.__contains__
         rest = {
-            **_embedding_taps(params),
-            **_module_taps(params["bert"]["pooler"], self.layer_mode, ("bert", "pooler")),
-            **_module_taps(params["classifier"], self.layer_mode, ("classifier",)),
+            **_embedding_taps(full, is_trained),
+            **_module_taps(full["bert"]["pooler"], self.layer_mode, ("bert", "pooler"), is_trained),
+            **_module_taps(full["classifier"], self.layer_mode, ("classifier",), is_trained),
         }
-        return {REST: TapGroup(rest), LAYERS: _encoder_group(params, self.layer_mode)}
+        return _groups(rest, _encoder_taps(full, self.layer_mode, is_trained))
 
     def tapped(self, params: Any, example: dict[str, jax.Array], rng: jax.Array | None, z: dict | None):
         """(loss, tap inputs, tap outputs) of one example, as `MLMGhostLoss.tapped`."""
-        model = self._model(params, BertForSequenceClassification)
-        tape = Tape(None if z is None else z[REST])
+        model = self._model(self._all(params), BertForSequenceClassification)
+        groups = self.tap_groups(params)
+        tape = Tape(None if z is None else z.get(REST))
         x, layer_inputs, layer_outputs = _tapped_encoder(
-            model.bert, example, rng, tape, None if z is None else z[LAYERS], lambda x: x[None]
+            model.bert, example, rng, tape, groups, None if z is None else z.get(LAYERS), lambda x: x[None]
         )
-        pooled = model.bert.pooler(x, _Taps(tape, "bert/pooler/"))
+        rest = _group_taps(groups, REST)
+        pooled = model.bert.pooler(x, _Taps(tape, rest, "bert/pooler/"))
         pooled = bert.dropout(pooled, model.dropout_rate, bert.fold_key(rng, bert.SITE_CLASSIFIER))
-        logits = _Taps(tape).dense("classifier", model.classifier, pooled)
-        inputs = {REST: tape.inputs, LAYERS: layer_inputs}
-        outputs = {REST: tape.outputs, LAYERS: layer_outputs}
+        logits = _Taps(tape, rest).dense("classifier", model.classifier, pooled)
+        inputs = _only(groups, {REST: tape.inputs, LAYERS: layer_inputs})
+        outputs = _only(groups, {REST: tape.outputs, LAYERS: layer_outputs})
         return self.loss_from_logits(logits[0], example), inputs, outputs

@@ -16,13 +16,15 @@ rounding (tested to 1e-5).
 
 Guarantees: the LoRA factors are ordinary `nnx.Param` leaves whose paths end in `lora_a` /
 `lora_b` (`is_lora_path`), so any per-example clipping over a params pytree (the DP core's
-`clipped_grad_sum`) clips them with everything else that is trained.
+`clipped_grad_sum`) clips them with everything else that is trained. Both factors enter
+linearly (x -> x A, then x A -> (x A) B), so ghost clipping covers them as two dense taps
+(`dpbert.model.ghost`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
@@ -63,6 +65,13 @@ class LoRAConfig:
         return float(self.alpha) / self.rank
 
 
+Record = Callable[[str, jax.Array, jax.Array], jax.Array]
+
+
+def _unrecorded(part: str, output: jax.Array, inputs: jax.Array) -> jax.Array:
+    return output
+
+
 class LoRALinear(nnx.Module):
     """A pretrained `nnx.Linear` (`base`) plus a low-rank update scaled by `scale`."""
 
@@ -72,10 +81,15 @@ class LoRALinear(nnx.Module):
         self.lora_b = nnx.Param(lora_b)
         self.scale = scale
 
-    def __call__(self, x: jax.Array) -> jax.Array:
-        y = self.base(x)
+    def __call__(self, x: jax.Array, record: Record = _unrecorded) -> jax.Array:
+        """y = x W + b + scale * (x A) B. `record(part, output, input) -> output` sees each of the
+        three products ("base", "lora_a": x -> x A, "lora_b": x A -> (x A) B) as it is computed
+        (the ghost-clipping taps, `dpbert.model.ghost`); the default returns the output as is."""
+        y = record("base", self.base(x), x)
         dtype = y.dtype
-        update = (x.astype(dtype) @ self.lora_a[...].astype(dtype)) @ self.lora_b[...].astype(dtype)
+        x = x.astype(dtype)
+        u = record("lora_a", x @ self.lora_a[...].astype(dtype), x)
+        update = record("lora_b", u @ self.lora_b[...].astype(dtype), u)
         return y + update * jnp.asarray(self.scale, dtype)
 
     def merged_kernel(self) -> jax.Array:

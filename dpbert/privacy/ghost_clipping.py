@@ -31,7 +31,10 @@ discovered from modules): a `GhostLoss` is a plain `loss_fn(params, example, rng
   outputs)`: `inputs[group][name]` is the tap's input (`a` of a Dense, xhat of a ScaleBias,
   the int ids of a Lookup, None for Bias and Positions), `outputs[group][name]` its output
   with `z[group][name]` added (z None: nothing added). A stacked group's inputs and outputs
-  carry the leading layer axis. `Tape` records both while the forward runs.
+  carry the leading layer axis. `Tape` records both while the forward runs. A Bias tap's z
+  has the shape of the bias ([d], broadcast over the output's other axes), so its gradient is
+  the per-example bias gradient itself, summed inside the backward pass (no [T, d] output
+  gradient is kept: a bias-only subset's clipping costs about a plain backward pass).
 
 The core checks that the taps cover every parameter exactly once (a parameter shared by a
 `Lookup` and a transposed `Dense`, a tied decoder, is the one exception: its per-example norm
@@ -151,7 +154,8 @@ class GhostLoss(Protocol):
 
 class Tape:
     """Records one group's taps during a traced forward: `tape(name, y, x)` stores the input x
-    and the output y of tap `name` and returns y plus its perturbation (y itself when z is None)."""
+    and the output y of tap `name` and returns y plus its perturbation (y itself when z is None;
+    the perturbation broadcasts: a Bias tap's has the bias's shape)."""
 
     def __init__(self, z: Mapping[str, jax.Array] | None):
         self.z = z
@@ -496,12 +500,25 @@ def _ghost_norms(
     tapped = jax.vmap(lambda p, e, k, z: loss.tapped(p, e, k, z)[:2], in_axes=(None, 0, 0, axes), out_axes=(0, axes))
     # Zeros shaped like the taps but typed like `like`: under shard_map they vary per device,
     # so each device's output gradients stay its own examples' (not a sum over devices).
-    z = jax.tree_util.tree_map(lambda s: jnp.zeros_like(like, shape=s.shape, dtype=s.dtype), shapes)
+    z = {
+        name: {tap: _zeros(like, shape, group.spec.taps[tap], group.stacked) for tap, shape in shapes[name].items()}
+        for name, group in plan.items()
+    }
     # Params are closed over: the backward pass stops at the layer outputs (no weight grads).
     losses, vjp, inputs = jax.vjp(lambda z: tapped(params, examples, keys, z), z, has_aux=True)
     (out_grads,) = vjp(jnp.ones_like(losses))
     sq_norms, per_example = _sq_norms(plan, inputs, out_grads, jnp.zeros_like(like, dtype=_F32))
     return losses, sq_norms, per_example, inputs, out_grads
+
+
+def _zeros(like: jax.Array, shape: jax.ShapeDtypeStruct, tap: TapKind, stacked: bool) -> jax.Array:
+    """The zero perturbation of one tap output [(layers,) M, ..., d]: [(layers,) M, d] for a Bias
+    tap (broadcast over the output's other axes: its gradient is then summed over them)."""
+    dims = shape.shape
+    if isinstance(tap, Bias):
+        lead = 2 if stacked else 1
+        dims = (*dims[:lead], *(1,) * (len(dims) - lead - 1), dims[-1])
+    return jnp.zeros_like(like, shape=dims, dtype=shape.dtype)
 
 
 def _check_loss(loss: Any) -> None:

@@ -36,11 +36,12 @@ Training. Non-private: AdamW with linear warm-up then linear decay to 0, shuffle
 weight decay 0.01, max_seq_len 128). DP: the DP core (`dpbert.privacy`) with Poisson sampling
 of the task's training set at rate q = B/n, per-example clipping to `clip_norm`, Gaussian noise
 with the noise multiplier calibrated so the whole run spends exactly the requested
-(epsilon, delta); delta defaults to 1/n^1.1. With `trainable: all`, per-example norms and the
-clipped sum come from ghost clipping through the model's taps (`dpbert.model.ghost`: exact, no
-per-example gradient of the whole model); the subsets use vmap. The ledger of the task data is separate from the
-pretraining ledger: the two guarantees cover different data sets and are reported side by side,
-never composed.
+(epsilon, delta); delta defaults to 1/n^1.1. Per-example clipping of the trained parameters by
+`clipping`: "ghost" through the model's taps (`dpbert.model.ghost`: exact, no per-example gradient;
+taps on the trained parameters only, LoRA factors included), "vmap" per-example gradients, or
+"auto" (`classifier.auto_clipping`: ghost for `all`, vmap for the subsets, by measurement); the
+same clipped sum either way. The ledger of the task data is separate from the pretraining ledger:
+the two guarantees cover different data sets and are reported side by side, never composed.
 
 Trained subset (`trainable`). `all`: every parameter. `bias`: DP-BiTFiT-style, every bias term
 (attention, feed-forward, LayerNorm and pooler biases; not the LayerNorm scales) plus the
@@ -107,6 +108,7 @@ from dpbert.train import distributed
 from dpbert.train.checkpoint import CheckpointStore
 from dpbert.train.classifier import (
     Forward,
+    auto_clipping,
     count_params,
     describe_trainable,
     evaluate,
@@ -253,16 +255,12 @@ def _train(
     def loss_fn(params: nnx.State, example: Mapping[str, jax.Array], rng: jax.Array) -> jax.Array:
         return example_loss(task, forward(params, frozen, example, rng), example["labels"])
 
-    clipping = config.clipping
-    if clipping == "auto":
-        # Every parameter trained: ghost clipping (no per-example gradient of the whole model); the
-        # subsets train few parameters, whose per-example gradients vmap affords.
-        clipping = "ghost" if optim.trainable == "all" else "vmap"
-    if private and clipping == "ghost":
-        if optim.trainable != "all":
-            raise ValueError(f"clipping: 'ghost' taps every parameter; trainable {optim.trainable!r} needs 'vmap'")
+    clipping = auto_clipping(optim.trainable) if config.clipping == "auto" else config.clipping
+    if private and clipping == "ghost":  # taps on the trained parameters only; the rest stays frozen
         loss_fn = ClassifierGhostLoss(
-            graphdef=forward.graphdef, loss_from_logits=lambda logits, ex: example_loss(task, logits, ex["labels"])
+            graphdef=forward.graphdef,
+            frozen=frozen,
+            loss_from_logits=lambda logits, ex: example_loss(task, logits, ex["labels"]),
         )
 
     def sample(index: int, t: int) -> Sample:
