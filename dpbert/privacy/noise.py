@@ -111,19 +111,21 @@ def gaussian(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
     above MAX_ABS_Z in magnitude (see the module docstring for how close to exact they are)."""
     size = math.prod(shape)
     p = _pairs(size)
-    # Two keys from one draw on `key` (cheaper to compile than jax.random.split): one cipher call
-    # for the three words of every pair, one for the rare tail words of the exponent.
-    data = jax.random.bits(key, (2, *jax.random.key_data(key).shape), jnp.uint32)
-    word_key, tail_key = jax.random.wrap_key_data(data, impl=jax.random.key_impl(key))
-    first, mantissa, angle = jax.random.bits(word_key, (3, p), jnp.uint32)
-    exponent = jax.lax.cond(
+    # Three keys from one draw on `key` (cheaper to compile than jax.random.split).
+    data = jax.random.bits(key, (3, *jax.random.key_data(key).shape), jnp.uint32)
+    first_key, word_key, tail_key = jax.random.wrap_key_data(data, impl=jax.random.key_impl(key))
+    first = jax.random.bits(first_key, (p,), jnp.uint32)
+
+    def sample(exponent: jax.Array) -> jax.Array:
+        return _box_muller(exponent, *jax.random.bits(word_key, (2, p), jnp.uint32))
+
+    # Computing the normals inside the cond also keeps them in memory, so that XLA does not
+    # recompute the cipher inside every consumer of the noise (every leaf of `privatize`).
+    normals = jax.lax.cond(
         jnp.any(first == 0),
-        lambda: _leading_zeros([first, *jax.random.bits(tail_key, (EXPONENT_WORDS - 1, p), jnp.uint32)]),
-        lambda: jax.lax.clz(first),
+        lambda: sample(_leading_zeros([first, *jax.random.bits(tail_key, (EXPONENT_WORDS - 1, p), jnp.uint32)])),
+        lambda: sample(jax.lax.clz(first)),
     )
-    # The barrier keeps the normals in memory, so that XLA does not recompute the cipher inside
-    # every consumer of the noise (every leaf of `privatize`).
-    normals = jax.lax.optimization_barrier(_box_muller(exponent, mantissa, angle))
     return normals.reshape(-1)[:size].reshape(shape)
 
 
