@@ -16,7 +16,7 @@ import pytest
 from dpbert import cli
 from dpbert.data import store as store_mod
 from dpbert.data.corpus import packaged_corpus_dir, resolve_corpus
-from dpbert.data.masking import DATA_STREAM, example_mask_key, mask_tokens
+from dpbert.data.masking import DATA_STREAM, example_mask_key, mask_tokens, num_to_mask
 from dpbert.data.packing import pack_document
 from dpbert.data.store import TokenStore, eval_document_indices, prepare, prepare_store, read_manifest
 from dpbert.data.tokenizer import load_tokenizer
@@ -435,9 +435,13 @@ def test_masking_statistics() -> None:
     assert n == 512 * 97
     assert not (selected & ~eligible).any()  # specials and pads never selected
     np.testing.assert_array_equal(masked[~eligible], ids[~eligible])  # ... nor changed
+    # BERT's count: exactly round(0.15 * 97) = 15 of each row's 97 eligible tokens.
+    np.testing.assert_array_equal(selected.sum(1), 15)
     k = int(selected.sum())
-    # Binomial(n, 0.15): sd = sqrt(n * .15 * .85) ~ 80 tokens; 5 sd ~ 0.8% of k.
-    assert abs(k - 0.15 * n) < 5 * math.sqrt(n * 0.15 * 0.85), k / n
+    # ... a uniformly random subset: each eligible position is chosen in 15/97 of the 512 rows
+    # (sd ~ 8.2 rows), none favoured (the first or last positions of a row, say).
+    per_position = selected[:, eligible[0]].sum(0)
+    assert np.abs(per_position - 512 * 15 / 97).max() < 4.5 * math.sqrt(512 * (15 / 97) * (82 / 97)), per_position
     np.testing.assert_array_equal(labels[selected], ids[selected])
     assert (labels[~selected] == 0).all() and set(np.unique(weights)) <= {0.0, 1.0}
     to_mask = selected & (masked == MASK)
@@ -452,6 +456,16 @@ def test_masking_statistics() -> None:
     assert not np.isin(random_ids, SPECIAL_IDS).any() and random_ids.min() >= 5 and random_ids.max() < V
     # Random replacements cover the ordinary vocabulary roughly uniformly (both sides of id 500).
     assert 0.4 < (random_ids < 500).mean() < 0.6
+
+
+def test_masked_count_is_berts_rounded_fraction_of_the_eligible_tokens() -> None:
+    assert [int(num_to_mask(n, 0.15)) for n in (0, 1, 3, 4, 10, 97)] == [0, 1, 1, 1, 2, 15]
+    assert [int(num_to_mask(n, 0.3)) for n in (14, 30, 5)] == [4, 9, 2]  # 1.5 rounds up
+    # A row of padding and specials selects nothing; a short row at least one token.
+    ids = np.full((2, 16), PAD, np.int32)
+    ids[:, 0], ids[1, 1], ids[1, 2] = CLS, 77, SEP
+    _, _, weights = _masked(jax.random.key(0), ids)
+    assert weights[0].sum() == 0 and weights[1].sum() == 1 and weights[1, 1] == 1
 
 
 def test_random_replacement_never_draws_a_special_token() -> None:

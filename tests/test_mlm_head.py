@@ -78,10 +78,26 @@ def full_head_loss(graphdef, masker, run_key):
     return loss
 
 
-def test_max_predictions_covers_the_masked_tokens_of_almost_every_example():
-    # mean + 4 sd of Binomial(62, 0.15) (+1): 22 slots for the tiny recipe's 64 tokens.
-    assert max_predictions(64, 0.15) == 22
-    assert max_predictions(128, 0.15) >= 20
+def test_max_predictions_is_the_count_of_a_full_sequence_and_nothing_goes_unscored():
+    # round(0.15 * 62) = 9 slots for 64 tokens; the default recipe's 32 at 30%: round(9.0) = 9.
+    assert (max_predictions(64, 0.15), max_predictions(32, 0.3), max_predictions(16, 0.3)) == (9, 9, 4)
+    masker = make_masker(
+        vocab_size=VOCAB,
+        mask_token_id=4,
+        special_token_ids=SPECIALS,
+        pad_id=0,
+        mask_prob=0.3,
+        num_predictions=max_predictions(SEQ, 0.3),
+    )
+    ids = np.random.default_rng(2).integers(5, VOCAB, (200, SEQ)).astype(np.int32)
+    ids[:, 0], ids[:, -1] = 2, 3  # a full packed row: [CLS] ... [SEP]
+    ids[100:, SEQ // 2 :] = 0  # and rows with a padding tail
+    ids[100:, SEQ // 2 - 1] = 3
+    x = jax.vmap(masker, in_axes=(None, None, 0, 0))(jax.random.key(0), 0, jnp.arange(200), jnp.asarray(ids))
+    scored = np.asarray(x["label_weights"]).sum(1)
+    corrupted = (np.asarray(x["input_ids"]) != ids).sum(1)
+    assert (scored[:100] == max_predictions(SEQ, 0.3)).all()  # every slot used by a full row
+    assert (corrupted <= scored).all()  # every corrupted token is scored
 
 
 def test_masked_only_head_equals_full_head_loss_and_gradients(setup):

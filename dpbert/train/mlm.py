@@ -4,15 +4,13 @@
 Guarantees: the masks of step t derive from `example_mask_key(masking_key, t, store index)`
 only, so a replayed step masks identically; held-out scoring masks with a fixed public key, the
 same for every run, so private and non-private runs are scored on identical positions. The MLM
-head decodes `max_predictions` positions per example (mean + 4 standard deviations of the
-number of selected tokens): an example with more selected tokens (probability < 1e-4) has its
-surplus corrupted in the input but not scored, as in BERT's `max_predictions_per_seq`.
+head decodes `max_predictions` positions per example: the number `mask_tokens` selects in a
+full sequence, an exact bound (no selected token goes unscored).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -24,7 +22,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from dpbert.config.recipe import Recipe
-from dpbert.data.masking import example_mask_key, mask_tokens
+from dpbert.data.masking import example_mask_key, mask_tokens, num_to_mask
 from dpbert.data.store import TokenStore
 from dpbert.model import functional
 from dpbert.model.ghost import MLMGhostLoss
@@ -37,9 +35,9 @@ EVAL_MASK_KEY_SEED = 0x65766C  # "evl"
 
 
 def max_predictions(seq_len: int, mask_prob: float) -> int:
-    """Decoded positions per example: mean + 4 sd of Binomial(seq_len - 2, mask_prob), capped."""
-    n = seq_len - 2  # [CLS] and [SEP] are never selected
-    return min(seq_len, math.ceil(n * mask_prob + 4 * math.sqrt(n * mask_prob * (1 - mask_prob))) + 1)
+    """Decoded positions per example: `num_to_mask` of a full packed sequence (seq_len - 2
+    eligible tokens besides [CLS] and [SEP]), the most any packed example has selected."""
+    return int(num_to_mask(seq_len - 2, mask_prob))
 
 
 def make_masker(
