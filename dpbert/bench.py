@@ -70,11 +70,11 @@ MODELS = {"tiny": (2, 128, 2), "mini": (4, 256, 4), "base": (12, 768, 12)}  # la
 MODELS["large"] = (24, 1024, 16)
 MODEL_VOCAB = {"large": 30522}
 # The shipped recipes' real shapes: recipes/tiny.yaml (and tiny_nonprivate.yaml) trains BERT tiny on
-# sequences of 32 tokens with its public 8,192-token vocabulary ("bert-base-uncased-8k") and decodes
-# `dpbert.train.mlm.max_predictions(32, 0.3)` = 9 positions per example; "-30k" is the same
+# sequences of 16 tokens with its public 8,192-token vocabulary ("bert-base-uncased-8k") and decodes
+# `dpbert.train.mlm.max_predictions(16, 0.3)` = 4 positions per example; "-30k" is the same
 # recipe with the full bert-base-uncased vocabulary (`--set data.tokenizer=bert-base-uncased`).
 # tests/test_tiny_recipe.py checks these against the recipe file.
-RECIPE_PRESETS = {"tiny-recipe": ("tiny", 8192, 32, 9), "tiny-recipe-30k": ("tiny", 30522, 32, 9)}
+RECIPE_PRESETS = {"tiny-recipe": ("tiny", 8192, 16, 4), "tiny-recipe-30k": ("tiny", 30522, 16, 4)}
 MODELS |= {name: MODELS[base] for name, (base, *_) in RECIPE_PRESETS.items()}
 
 

@@ -717,7 +717,7 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
         default="tiny",
         help="tiny 2x128, mini 4x256, base 12x768 (vocab 8192, seq len 128), large 24x1024 "
         "(the paper's model, vocab 30522); tiny-recipe: the shapes "
-        "recipes/tiny.yaml trains (2x128, its public 8192-token vocabulary, seq len 32, 9 decoded "
+        "recipes/tiny.yaml trains (2x128, its public 8192-token vocabulary, seq len 16, 4 decoded "
         "positions), tiny-recipe-30k: the same with bert-base-uncased's 30522 tokens (default: tiny)",
     )
     p.add_argument(

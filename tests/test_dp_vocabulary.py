@@ -192,14 +192,14 @@ def test_bad_recipe_fields_are_named(overrides: list[str], message: str) -> None
 
 def test_the_ledger_composes_the_vocabulary_and_training_as_dp_accounting_does() -> None:
     recipe = load_recipe(DP_VOCAB_RECIPE)
-    plan = make_plan(recipe, 87_000, dataset_size_source="declared")
+    plan = make_plan(recipe, 175_000, dataset_size_source="declared")
     ledger, v = plan.ledger, plan.ledger.vocabulary
     (stage,) = ledger.stages
-    # Independently: the Gaussian event of the counts, then 256 Poisson-sampled Gaussian steps.
+    # Independently: the Gaussian event of the counts, then 1,100 Poisson-sampled Gaussian steps.
     acc = rdp_privacy_accountant.RdpAccountant()
     acc.compose(dp_accounting.GaussianDpEvent(v.noise_multiplier))
     acc.compose(
-        dp_accounting.PoissonSampledDpEvent(1024 / 87_000, dp_accounting.GaussianDpEvent(stage.noise_multiplier)), 256
+        dp_accounting.PoissonSampledDpEvent(1024 / 175_000, dp_accounting.GaussianDpEvent(stage.noise_multiplier)), 1100
     )
     composed = acc.get_epsilon(1e-6)
     assert ledger.epsilon() == pytest.approx(composed, rel=1e-9)
@@ -209,7 +209,9 @@ def test_the_ledger_composes_the_vocabulary_and_training_as_dp_accounting_does()
     alone.compose(dp_accounting.GaussianDpEvent(v.noise_multiplier))
     assert v.epsilon_share == pytest.approx(alone.get_epsilon(1e-6), rel=1e-9)
     assert 0.99 * 2.0 < v.epsilon_share <= 2.0
-    public = make_plan(load_recipe(TINY_RECIPE, ["privacy.dataset_size=87000"]), 87_000, dataset_size_source="declared")
+    public = make_plan(
+        load_recipe(TINY_RECIPE, ["privacy.dataset_size=175000"]), 175_000, dataset_size_source="declared"
+    )
     assert stage.noise_multiplier > public.ledger.stages[0].noise_multiplier * 1.01
     # The ledger round-trips and a checkpoint before any step has spent the vocabulary's share.
     assert PrivacyLedger.from_json(ledger.to_json()) == ledger
@@ -218,7 +220,7 @@ def test_the_ledger_composes_the_vocabulary_and_training_as_dp_accounting_does()
 
 
 def test_a_pld_ledger_composes_the_same_way() -> None:
-    base = make_plan(load_recipe(DP_VOCAB_RECIPE), 87_000, dataset_size_source="declared").ledger
+    base = make_plan(load_recipe(DP_VOCAB_RECIPE), 175_000, dataset_size_source="declared").ledger
     v = calibrate_vocabulary(
         epsilon=1.0, delta=1e-6, selection_delta=1e-7, words_per_unit=30, unit="u", accountant="pld"
     )
