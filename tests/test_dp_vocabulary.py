@@ -77,12 +77,12 @@ def test_frequent_words_pass_and_noise_depends_on_the_key_not_the_order() -> Non
 
 
 def test_recipe_threshold_keeps_single_unit_words_with_probability_at_most_vocab_delta() -> None:
-    # At the recipe's own threshold the chance is 3e-9 per word: 200,000 single-unit words keep none
-    # (expected 7e-4), while the threshold, recomputed from the normal tail, gives exactly vocab_delta.
+    # At the recipe's own threshold the chance is 7e-9 per word: 200,000 single-unit words keep none
+    # (expected 1.4e-3), while the threshold, recomputed from the normal tail, gives exactly vocab_delta.
     recipe = load_recipe(DP_VOCAB_RECIPE)
     event = dp_vocabulary_event(recipe)
     k = event.words_per_unit
-    assert k == recipe.data.seq_len - 2 == 30
+    assert k == recipe.data.seq_len - 2 == 14
     p = 1 - NormalDist(1.0, event.noise_stddev).cdf(event.threshold)
     assert 1 - (1 - p) ** k == pytest.approx(recipe.data.vocab_delta, rel=1e-4)
     counts = Counter({f"name{i}": 1 for i in range(200_000)})
