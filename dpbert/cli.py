@@ -200,7 +200,7 @@ def _add_finetune(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--resume",
         action="store_true",
-        help="with --dp: continue from OUT/checkpoints (SIGTERM writes one; the resumed run replays exactly)",
+        help="continue from OUT/checkpoints, private or not (SIGTERM writes one; the resumed run replays exactly)",
     )
     _add_noise_seed_file(p)
 
