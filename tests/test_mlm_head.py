@@ -21,6 +21,19 @@ VOCAB, SEQ = 97, 24
 SPECIALS = (0, 1, 2, 3, 4)  # [PAD] [UNK] [CLS] [SEP] [MASK]
 
 
+def _masker(mask_prob: float, num_predictions: int | None = None):
+    """The pretraining masker over this module's vocabulary, decoding `max_predictions` slots
+    unless told otherwise."""
+    return make_masker(
+        vocab_size=VOCAB,
+        mask_token_id=4,
+        special_token_ids=SPECIALS,
+        pad_id=0,
+        mask_prob=mask_prob,
+        num_predictions=max_predictions(SEQ, mask_prob) if num_predictions is None else num_predictions,
+    )
+
+
 @pytest.fixture(scope="module")
 def setup():
     config = BertConfig(
@@ -34,14 +47,7 @@ def setup():
         attention_probs_dropout_prob=0.1,
     )
     graphdef, params = functional.split_params(BertForMaskedLM(config, rngs=nnx.Rngs(0)))
-    masker = make_masker(
-        vocab_size=VOCAB,
-        mask_token_id=4,
-        special_token_ids=SPECIALS,
-        pad_id=0,
-        mask_prob=0.15,
-        num_predictions=max_predictions(SEQ, 0.15),
-    )
+    masker = _masker(0.15)
     rng = np.random.default_rng(0)
     ids = rng.integers(5, VOCAB, (6, SEQ)).astype(np.int32)
     ids[:, 0], ids[:, -1] = 2, 3
@@ -81,14 +87,7 @@ def full_head_loss(graphdef, masker, run_key):
 def test_max_predictions_is_the_count_of_a_full_sequence_and_nothing_goes_unscored():
     # round(0.15 * 62) = 9 slots for 64 tokens; the default recipe's 32 at 30%: round(9.0) = 9.
     assert (max_predictions(64, 0.15), max_predictions(32, 0.3), max_predictions(16, 0.3)) == (9, 9, 4)
-    masker = make_masker(
-        vocab_size=VOCAB,
-        mask_token_id=4,
-        special_token_ids=SPECIALS,
-        pad_id=0,
-        mask_prob=0.3,
-        num_predictions=max_predictions(SEQ, 0.3),
-    )
+    masker = _masker(0.3)
     ids = np.random.default_rng(2).integers(5, VOCAB, (200, SEQ)).astype(np.int32)
     ids[:, 0], ids[:, -1] = 2, 3  # a full packed row: [CLS] ... [SEP]
     ids[100:, SEQ // 2 :] = 0  # and rows with a padding tail
@@ -139,9 +138,7 @@ def test_clipped_sums_of_masked_only_and_full_heads_agree(setup):
 def test_held_out_scoring_shows_every_selected_token_as_mask():
     """Training shows 10% of the selected tokens unchanged and 10% as random tokens; scoring held-out
     text shows [MASK] at all of them (a model that copies its input must not score), nothing else moves."""
-    masker = make_masker(
-        vocab_size=VOCAB, mask_token_id=4, special_token_ids=SPECIALS, pad_id=0, mask_prob=0.3, num_predictions=SEQ
-    )
+    masker = _masker(0.3, num_predictions=SEQ)
     ids = np.random.default_rng(1).integers(5, VOCAB, (400, SEQ)).astype(np.int32)
     ids[:, 0] = 2  # [CLS]: never selected, where the masker's unused slots point
     x = jax.vmap(masker, in_axes=(None, None, 0, 0))(jax.random.key(0), 0, jnp.arange(400), jnp.asarray(ids))
