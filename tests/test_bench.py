@@ -50,8 +50,9 @@ def test_bench_ratio_is_over_the_best_nonprivate_row(capsys, tmp_path, microbatc
     assert abs(result["dp_over_nonprivate"] - rows["dpbert DP (ghost)"] / best) < 1e-9
     assert rows["dpbert DP (vmap)"].startswith("skipped")
     assert result["over_opacus"] is None and result["memory_65536_over_1024"] is None
-    # The noise draw is timed on its own, and is a part of the DP step.
-    assert result["noise_ms_per_step"] > 0 and 0 < result["noise_fraction_of_dp_step"] < 1
+    # The noise draw is timed on its own: its share of the DP step is the ratio of two timings (one
+    # step each here, so a loaded machine can push it past 1; the bench reports, it does not bound).
+    assert result["noise_ms_per_step"] > 0 and result["noise_fraction_of_dp_step"] > 0
     table = format_table(result)
     assert "best DP / best non-private" in table and "dpbert DP (ghost)" in table and "noise draw" in table
     assert ("fastest micro-batch" in table) == (microbatch == "auto")
