@@ -110,6 +110,12 @@ class DataConfig:
     adds to the release's delta), `vocab_unit` the unit counted ("document", or "sequence": windows
     of seq_len - 2 words, the most words a training sequence holds; null: `privacy.unit`), and
     `vocab_words_per_unit` the most distinct words one unit adds (null: seq_len - 2).
+
+    A tokenizer folder is public only when its origin is known: a packaged vocabulary, a folder
+    that dpbert marked public, or one the user declares public with `tokenizer_declared_public:
+    true` (the release says it was declared). Any other folder is refused.
+    `eval_corpus`: a public corpus (not the private one) for held-out figures that a release may
+    always carry; null scores the private corpus' held-out split, kept in the run folder only.
     """
 
     corpus: str = "sotu"
@@ -125,6 +131,8 @@ class DataConfig:
     vocab_delta: float | None = None
     vocab_unit: Literal["document", "sequence"] | None = None
     vocab_words_per_unit: int | None = None
+    tokenizer_declared_public: bool = False
+    eval_corpus: str | None = None
 
     def __post_init__(self) -> None:
         _check(bool(self.corpus), "corpus", "a non-empty corpus name or path", self.corpus)
@@ -178,6 +186,12 @@ class PrivacyConfig:
     `max_sequences_per_document` (required) sequences of a sampled document, chosen at random
     with the run's secret key, enter the step, and the document's summed gradient is clipped as
     a whole: the guarantee protects a whole document (e.g. one speech), not one slice of it.
+
+    `dataset_size`: the public N of q = B/N (null: the store's count rounded down to 2 significant
+    digits). Every stored unit is Poisson-sampled at q, whatever N is, so that adding or removing
+    a unit changes no other unit's inclusion. `dataset_size_bound`: a public upper bound on the
+    stored units (null: `MAX_STORE_FACTOR` x N); a larger store is refused, and the truncation of
+    the Poisson sample at the physical batch is accounted for a store of that bound.
     """
 
     enabled: bool = True
@@ -188,6 +202,7 @@ class PrivacyConfig:
     noise_multiplier: float | None = None
     calibrate: Literal["shared", "per_stage"] = "shared"
     dataset_size: int | None = None
+    dataset_size_bound: int | None = None
     unit: Literal["sequence", "document"] = "sequence"
     max_sequences_per_document: int | None = None
 
@@ -216,6 +231,13 @@ class PrivacyConfig:
             "dataset_size",
             "a positive integer (the public number of training sequences, or documents with unit 'document') or null",
             self.dataset_size,
+        )
+        _check(
+            self.dataset_size_bound is None
+            or (self.dataset_size_bound >= 1 and (self.dataset_size or 0) <= self.dataset_size_bound),
+            "dataset_size_bound",
+            "a positive integer >= dataset_size (the public upper bound on the stored units) or null",
+            self.dataset_size_bound,
         )
         _check(0.0 < self.delta < 1.0, "delta", "a probability in (0, 1)", self.delta)
         _check(
