@@ -469,7 +469,13 @@ def _add_account(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("recipe", nargs="?", metavar="RECIPE", help="recipe YAML file (else use the flags)")
     p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a recipe field (repeatable)")
-    p.add_argument("--dataset-size", type=int, metavar="N", help="number of training examples (sequences)")
+    p.add_argument(
+        "--dataset-size",
+        type=int,
+        metavar="N",
+        help="without RECIPE: the public N of q = B/N; with RECIPE: the stored training units (N is the "
+        "recipe's privacy.dataset_size when declared, else this count rounded down to 2 significant digits)",
+    )
     p.add_argument("--batch-size", metavar="B[,B...]", help="expected batch size per stage")
     p.add_argument("--steps", metavar="T[,T...]", help="steps per stage")
     p.add_argument("--noise-multiplier", metavar="S[,S...]", help="noise multiplier (per stage)")

@@ -199,6 +199,24 @@ def test_tiny_private_run_end_to_end(reference_run):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_account_plans_what_pretrain_runs(reference_run, capsys):
+    """`dpbert account RECIPE` (store counted, N rounded or declared) prints the run's ledger, field by field."""
+    from dpbert.cli import main
+
+    recipe, run_dir, _ = reference_run
+    ran = json.loads((run_dir / "privacy.json").read_text())
+    capsys.readouterr()
+    assert main(["account", str(recipe), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["ledger"] == ran
+    assert ran["dataset_size_source"] == "rounded" and "dataset_size_bound" in ran
+    # A declared N: account needs no store and still equals the run's ledger.
+    assert main(["account", str(recipe), "--set", f"privacy.dataset_size={ran['dataset_size']}", "--json"]) == 0
+    declared = json.loads(capsys.readouterr().out)["ledger"]
+    assert {k: v for k, v in declared.items() if k != "dataset_size_source"} == {
+        k: v for k, v in ran.items() if k != "dataset_size_source"
+    }
+
+
 def test_sigkill_then_sigterm_then_resume_equals_uninterrupted(workspace, reference_run):
     recipe, ref_dir, ref = reference_run
     run_dir = workspace["root"] / "interrupted"

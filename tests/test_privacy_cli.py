@@ -88,8 +88,17 @@ def test_text_report_has_breakdown_and_ledger(capsys):
 
 
 def test_recipe_path_uses_the_trainers_plan(capsys):
-    out = run_json(capsys, str(Path(__file__).parents[1] / "recipes" / "tiny.yaml"), "--dataset-size", "5000")
-    assert out["epsilon"] > 0 and out["ledger"]["dataset_size"] == 5000
+    tiny = str(Path(__file__).parents[1] / "recipes" / "tiny.yaml")
+    # A declared N needs no store: the ledger is the run's (N 180,000 declared, bound 1.25 N).
+    out = run_json(capsys, tiny)
+    assert out["ledger"]["dataset_size"] == 180_000 and out["ledger"]["dataset_size_source"] == "declared"
+    assert out["ledger"]["dataset_size_bound"] == 225_000 and 7.9 < out["epsilon"] <= 8.0
+    # Without a declared N, the stored count given is rounded down to 2 significant digits.
+    out = run_json(capsys, tiny, "--set", "privacy.dataset_size=null", "--dataset-size", "202033")
+    assert (out["ledger"]["dataset_size"], out["ledger"]["dataset_size_source"]) == (200_000, "rounded")
+    # A store above the public bound is refused, as pretrain refuses it.
+    assert main(["account", tiny, "--dataset-size", "230000"]) == 1
+    assert "more training sequences than the public bound 225000" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(

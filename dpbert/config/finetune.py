@@ -5,8 +5,9 @@ Recipes load through the recipe loader's machinery (`dpbert.config.recipe`: froz
 `--set key.path=value` overrides, errors naming the dotted field and the file); a section given
 in a recipe overrides that section's defaults field by field.
 
-`plan_dp(n, config)` calibrates the noise multiplier so that Poisson-sampled DP-SGD over the n
-examples spends the target epsilon at delta (default 1/n^1.1), composes a sweep's runs in one
+`plan_dp(n, config)` calibrates the noise multiplier so that DP-SGD, Poisson-sampling each of
+the n examples at q = B/N (N public: declared, or n rounded down to 2 significant digits),
+spends the target epsilon at delta (default 1/N^1.1), composes a sweep's runs in one
 ledger, and truncates the Poisson sample where pretraining does: at the physical batch whose
 overflow probability keeps the truncation's share of delta within budget
 (`dpbert.config.plan.truncation_overflow_bound`).
@@ -21,10 +22,10 @@ from collections.abc import Iterable
 from typing import Any, Literal
 
 from dpbert.config.finetune_plan import derive_dp_defaults
-from dpbert.config.plan import truncation_overflow_bound
+from dpbert.config.plan import MAX_STORE_FACTOR, truncation_overflow_bound
 from dpbert.config.recipe import RecipeError, _check, apply_overrides, parse_section, read_yaml
 from dpbert.model.lora import LoRAConfig
-from dpbert.privacy.accounting import PrivacyLedger, calibrate_noise_multiplier
+from dpbert.privacy.accounting import PrivacyLedger, calibrate_noise_multiplier, round_down_significant
 from dpbert.privacy.sampling import physical_batch_size
 from dpbert.privacy.schedule import BatchSchedule, Stage
 
@@ -74,15 +75,29 @@ class OptimConfig:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class PrivacyConfig:
-    """DP settings for the task data. `delta: null` means 1/n^1.1 (n = training examples);
-    `clip_norm: null` is derived (`dpbert.config.finetune_plan`)."""
+    """DP settings for the task data. `dataset_size`: the public N of q = B/N (null: the task's
+    count rounded down to 2 significant digits); every training example is sampled at q, and a
+    task with more examples than `dataset_size_bound` (null: 1.25 N) is refused, as in
+    pretraining. `delta: null` means 1/N^1.1; `clip_norm: null` is derived
+    (`dpbert.config.finetune_plan`)."""
 
     epsilon: float = 8.0
     delta: float | None = None
     clip_norm: float | None = None
     accountant: Literal["pld", "rdp"] = "pld"
+    dataset_size: int | None = None
+    dataset_size_bound: int | None = None
 
     def __post_init__(self) -> None:
+        for name in ("dataset_size", "dataset_size_bound"):
+            v = getattr(self, name)
+            _check(v is None or (isinstance(v, int) and v >= 8), name, "an integer >= 8 or null", v)
+        _check(
+            self.dataset_size_bound is None or (self.dataset_size or 0) <= self.dataset_size_bound,
+            "dataset_size_bound",
+            "null or >= dataset_size",
+            self.dataset_size_bound,
+        )
         _check(self.epsilon > 0, "epsilon", "a positive number", self.epsilon)
         _check(self.delta is None or 0.0 < self.delta < 1.0, "delta", "a probability in (0, 1) or null", self.delta)
         _check(self.clip_norm is None or self.clip_norm > 0, "clip_norm", "a positive number or null", self.clip_norm)
@@ -227,12 +242,31 @@ class DPPlan:
 
 
 def _delta(n: int, privacy: PrivacyConfig) -> tuple[float, str]:
-    return (privacy.delta, "given") if privacy.delta is not None else (1.0 / n**1.1, "1/n^1.1")
+    return (privacy.delta, "given") if privacy.delta is not None else (1.0 / n**1.1, "1/N^1.1")
+
+
+def public_task_size(stored: int, privacy: PrivacyConfig) -> tuple[int, str, int]:
+    """(N, "declared" | "rounded", bound) for a task of `stored` training examples: the declared
+    N or the count rounded down to 2 significant digits, and the public bound on the stored
+    examples (declared, or `MAX_STORE_FACTOR` x N); ValueError when the task exceeds the bound."""
+    if privacy.dataset_size is None:
+        n, source = round_down_significant(stored), "rounded"
+    else:
+        n, source = privacy.dataset_size, "declared"
+    bound = privacy.dataset_size_bound if privacy.dataset_size_bound is not None else int(MAX_STORE_FACTOR * n)
+    if stored > bound:
+        raise ValueError(
+            f"the task has more training examples than the public bound {bound} for which the truncation is "
+            "accounted; declare a larger 'privacy.dataset_size' or 'privacy.dataset_size_bound'"
+        )
+    return n, source, bound
 
 
 def resolve_dp(n: int, config: FinetuneConfig) -> tuple[FinetuneConfig, Any]:
     """(config with every null DP hyper-parameter filled in, the `DerivedDefaults` used or None
-    when the recipe set them all). Depends only on n, epsilon, delta and the trained subset."""
+    when the recipe set them all). Depends only on the public N of the task (n: its stored count),
+    epsilon, delta and the trained subset."""
+    n = public_task_size(n, config.privacy)[0]
     optim, priv = config.private, config.privacy
     if None not in (optim.learning_rate, optim.batch_size, optim.epochs, priv.clip_norm):
         return config, None
@@ -251,14 +285,16 @@ def resolve_dp(n: int, config: FinetuneConfig) -> tuple[FinetuneConfig, Any]:
     return dataclasses.replace(config, private=optim, privacy=priv), derived
 
 
-def plan_dp(n: int, config: FinetuneConfig) -> DPPlan:
-    """Calibrate the noise so that Poisson-sampled DP-SGD over n examples spends exactly
-    `config.privacy.epsilon` at delta (default 1/n^1.1); refuse a plan that breaks the budget.
-    Null hyper-parameters are derived first (`resolve_dp`); a sweep of k runs is k stages of
-    the one ledger, all at the same noise multiplier."""
-    if n < 8:
-        raise ValueError(f"DP fine-tuning needs at least 8 training examples, got n={n}")
-    config, _ = resolve_dp(n, config)
+def plan_dp(stored: int, config: FinetuneConfig) -> DPPlan:
+    """Calibrate the noise so that DP-SGD, Poisson-sampling each of the `stored` training examples
+    at q = B/N (N public: `public_task_size`), spends exactly `config.privacy.epsilon` at delta
+    (default 1/N^1.1); refuse a plan that breaks the budget. Null hyper-parameters are derived
+    first (`resolve_dp`); a sweep of k runs is k stages of the one ledger, all at the same noise
+    multiplier. Verify rebuilds it from the ledger's N (rounding is idempotent)."""
+    if stored < 8:
+        raise ValueError(f"DP fine-tuning needs at least 8 training examples, got n={stored}")
+    config, _ = resolve_dp(stored, config)
+    n, source, size_bound = public_task_size(stored, config.privacy)
     optim, priv = config.private, config.privacy
     delta, rule = _delta(n, priv)
     batch = min(optim.batch_size, n // 4)
@@ -272,11 +308,13 @@ def plan_dp(n: int, config: FinetuneConfig) -> DPPlan:
     )  # fmt: skip
     bound = truncation_overflow_bound(delta=delta, target_epsilon=priv.epsilon, total_steps=steps * runs)
     physical = physical_batch_size(
-        batch, n, overflow_probability_bound=bound, multiple=min(config.microbatch_size, batch)
-    )
+        batch, n, overflow_probability_bound=bound, multiple=min(config.microbatch_size, batch),
+        dataset_size_bound=size_bound,
+    )  # fmt: skip
     ledger = PrivacyLedger.for_schedule(
         schedule, dataset_size=n, delta=delta, clip_norm=priv.clip_norm, accountant=priv.accountant,
-        physical_batch_sizes=[physical] * runs, target_epsilon=priv.epsilon,
+        physical_batch_sizes=[physical] * runs, target_epsilon=priv.epsilon, dataset_size_source=source,
+        dataset_size_bound=size_bound,
     )  # fmt: skip
     spent = ledger.check_budget()
     return DPPlan(

@@ -1,9 +1,9 @@
-"""The privacy plan of a run, built from its recipe alone: pure, so that training, `dpbert verify`
-and `dpbert privacy` rebuild the same ledger.
+"""The privacy plan of a run, built from its recipe alone: pure, so that `dpbert pretrain`,
+`account`, `verify` and the audit build the same ledger.
 
-`make_plan(recipe, N)` calibrates (or takes) the noise multipliers, sizes each stage's physical
-batch (the Poisson sample's truncation) and refuses a schedule that would pass the target
-epsilon; `Plan` answers "which ledger covers the first t steps" for checkpoints and exports.
+`plan_recipe(recipe, stored_units)` finds the public N and the public bound on the stored units,
+then `make_plan` calibrates (or takes) the noise multipliers, sizes each stage's physical batch
+(the Poisson sample's truncation) and refuses a schedule that would pass the target epsilon; `Plan` answers "which ledger covers the first t steps" for checkpoints and exports.
 
 Guarantees: the truncation of a private run's Poisson sample at the physical batch adds
 (1 + e^eps) * P[overflow] per step to delta; `truncation_overflow_bound` keeps the sum over
@@ -29,6 +29,10 @@ from dpbert.privacy.accounting import (
 )
 
 NONPRIVATE_LEDGER = {"private": False, "note": "non-private baseline: no clipping, no noise, no guarantee"}
+# A private run refuses a store with more units than this factor times the public N, unless the
+# recipe declares its own bound (`privacy.dataset_size_bound`): the truncation term is accounted
+# for a store of that size. 1.25 covers N rounded down to 2 significant digits (at most 1.1x).
+MAX_STORE_FACTOR = 1.25
 # The epsilon the truncation bound assumes when a run fixes its noise multiplier instead of a target.
 UNTARGETED_EPSILON_BOUND = 50.0
 
@@ -67,41 +71,95 @@ def truncation_overflow_bound(*, delta: float, target_epsilon: float | None, tot
     return 0.5 * MAX_TRUNCATION_DELTA_FRACTION * delta / ((1 + math.exp(min(eps, 700.0))) * total_steps)
 
 
-def ledger_physical_batch_sizes(recipe: Recipe, dataset_size: int) -> tuple[int, ...]:
+def ledger_physical_batch_sizes(
+    recipe: Recipe, dataset_size: int, dataset_size_bound: int | None = None
+) -> tuple[int, ...]:
     """Each stage's physical batch as the ledger records it (the Poisson sample is truncated
-    there): a multiple of the micro-batch size whose overflow probability per step is small
-    enough (`truncation_overflow_bound` for private runs; the default bound otherwise).
+    there): a multiple of the micro-batch size whose overflow probability per step, for any store
+    of at most `dataset_size_bound` units (default N), is small enough (`truncation_overflow_bound`
+    for private runs; the default bound otherwise).
     Independent of the devices: `dpbert.train.engine.device_batch_size` pads it for the mesh."""
     p, mb = recipe.privacy, recipe.train.microbatch_size
     if not p.enabled:
         return tuple(physical_batch_size(s.expected_batch_size, dataset_size, multiple=mb) for s in recipe.schedule)
     per_step = truncation_overflow_bound(delta=p.delta, target_epsilon=p.target_epsilon, total_steps=recipe.total_steps)
     return tuple(
-        physical_batch_size(s.expected_batch_size, dataset_size, overflow_probability_bound=per_step, multiple=mb)
+        physical_batch_size(
+            s.expected_batch_size,
+            dataset_size,
+            overflow_probability_bound=per_step,
+            multiple=mb,
+            dataset_size_bound=dataset_size_bound,
+        )
         for s in recipe.schedule
     )
 
 
-def public_dataset_size(recipe: Recipe, available: int) -> tuple[int, str]:
-    """(N, source): the public number of training sequences a private run samples from, and
-    whether it was "declared" (`privacy.dataset_size`) or "rounded" (the store's count rounded
-    down to 2 significant digits). Non-private runs use every sequence ("exact")."""
-    declared = recipe.privacy.dataset_size
-    if not recipe.privacy.enabled:
-        return available, "exact"
-    if declared is None:
-        return round_down_significant(available), "rounded"
-    if declared > available:
-        units = "documents" if recipe.privacy.unit == "document" else "sequences"
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PublicSize:
+    """The public N of q = B/N, where it came from ("declared", "rounded" or "exact"), and the
+    public upper bound on the stored units that the truncation term is computed for."""
+
+    n: int
+    source: str
+    bound: int
+
+
+def public_dataset_size(recipe: Recipe, stored_units: int | None) -> PublicSize:
+    """The public dataset size of a run, from the recipe and (when it declares no N) the count of
+    stored units (sequences, or documents with `privacy.unit: document`).
+
+    Private runs: N is `privacy.dataset_size` ("declared") or the stored count rounded down to 2
+    significant digits ("rounded"); the bound is `privacy.dataset_size_bound` or
+    `MAX_STORE_FACTOR` x N. A store above the bound, or below a declared N, is refused. Every
+    stored unit is sampled at q = B/N. Non-private runs: N is the stored count ("exact")."""
+    p = recipe.privacy
+    units = "documents" if p.enabled and p.unit == "document" else "sequences"
+    if stored_units is None and (not p.enabled or p.dataset_size is None):
         raise ValueError(
-            f"recipe field 'privacy.dataset_size': {declared} exceeds the {available} training "
-            f"{units} of the token store"
+            "the dataset size N is unknown: declare it (recipe field 'privacy.dataset_size', the public N of "
+            "q = B/N) or give the token store (`data.store`) whose count is rounded down to 2 significant digits"
         )
-    return declared, "declared"
+    if not p.enabled:
+        return PublicSize(n=stored_units, source="exact", bound=stored_units)
+    if p.dataset_size is None:
+        n, source = round_down_significant(stored_units), "rounded"
+    else:
+        n, source = p.dataset_size, "declared"
+    bound = p.dataset_size_bound if p.dataset_size_bound is not None else int(MAX_STORE_FACTOR * n)
+    if stored_units is not None and stored_units > bound:
+        raise ValueError(
+            f"the token store holds more training {units} than the public bound {bound} "
+            f"({'privacy.dataset_size_bound' if p.dataset_size_bound is not None else f'{MAX_STORE_FACTOR:g} x N'}) "
+            "for which the truncation of the Poisson sample is accounted; declare a larger "
+            "'privacy.dataset_size' or 'privacy.dataset_size_bound'"
+        )
+    if stored_units is not None and n > stored_units:
+        raise ValueError(
+            f"recipe field 'privacy.dataset_size': {n} exceeds the {stored_units} training {units} of the token store"
+        )
+    return PublicSize(n=n, source=source, bound=bound)
 
 
-def make_plan(recipe: Recipe, dataset_size: int, *, dataset_size_source: str = "exact") -> Plan:
-    """Noise multipliers (fixed or calibrated), physical batches, and the budget check.
+def plan_recipe(recipe: Recipe, stored_units: int | None = None) -> Plan:
+    """The privacy plan of a run of `recipe` on a store of `stored_units` units: the one builder
+    that `pretrain`, `account`, `verify` and the audit call, so that they agree field by field.
+    With a declared `privacy.dataset_size`, `stored_units` may be None (the plan does not depend
+    on the data)."""
+    size = public_dataset_size(recipe, stored_units)
+    return make_plan(
+        recipe,
+        size.n,
+        dataset_size_source=size.source,
+        dataset_size_bound=size.bound if recipe.privacy.enabled else None,
+    )
+
+
+def make_plan(
+    recipe: Recipe, dataset_size: int, *, dataset_size_source: str = "exact", dataset_size_bound: int | None = None
+) -> Plan:
+    """Noise multipliers (fixed or calibrated), physical batches, and the budget check, for the
+    public N `dataset_size` and the public bound on stored units (`plan_recipe` derives both).
 
     With `privacy.unit: document`, `dataset_size` and every batch size count documents. With
     `data.tokenizer: dp` the vocabulary's event is in the ledger and training is calibrated for
@@ -119,7 +177,7 @@ def make_plan(recipe: Recipe, dataset_size: int, *, dataset_size_source: str = "
             for s in recipe.schedule
         )
     )
-    physical = ledger_physical_batch_sizes(recipe, dataset_size)
+    physical = ledger_physical_batch_sizes(recipe, dataset_size, dataset_size_bound)
     if not p.enabled:
         return Plan(
             schedule=base.with_noise_multipliers([0.0] * len(base.stages)), physical_batch_sizes=physical, ledger=None
@@ -147,6 +205,7 @@ def make_plan(recipe: Recipe, dataset_size: int, *, dataset_size_source: str = "
         physical_batch_sizes=list(physical),
         target_epsilon=p.target_epsilon,
         dataset_size_source=dataset_size_source,
+        dataset_size_bound=dataset_size_bound,
         privacy_unit=DOCUMENT_UNIT if document else PRIVACY_UNIT,
         max_sequences_per_document=p.max_sequences_per_document if document else None,
         vocabulary=vocabulary,

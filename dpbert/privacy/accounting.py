@@ -288,13 +288,19 @@ def calibrate_noise_multiplier(
     return best
 
 
-def overflow_probability(expected_batch_size: int, dataset_size: int, physical_batch_size: int) -> float:
-    """P[Binomial(N+1, q) > physical_batch_size]: one step's chance that the sampler truncates.
+def overflow_probability(
+    expected_batch_size: int, dataset_size: int, physical_batch_size: int, *, dataset_size_bound: int | None = None
+) -> float:
+    """P[Binomial(M+1, q) > physical_batch_size], q = B/N: one step's chance that the sampler truncates.
 
-    N+1 because the neighbouring dataset with one more example overflows more often."""
-
+    Every stored unit is sampled at q, so the realized batch is Binomial(stored units, q); M is the
+    public upper bound on the stored units (`dataset_size_bound`, default N), M+1 because the
+    neighbouring dataset with one more unit overflows more often."""
     q = sampling_rate(expected_batch_size, dataset_size)
-    return float(binom.sf(physical_batch_size, dataset_size + 1, q))
+    bound = dataset_size if dataset_size_bound is None else dataset_size_bound
+    if bound < dataset_size:
+        raise ValueError(f"dataset_size_bound={bound} must be >= dataset_size={dataset_size}")
+    return float(binom.sf(physical_batch_size, bound + 1, q))
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -428,8 +434,9 @@ class PrivacyLedger:
 
     `dataset_size` is treated as public: `dataset_size_source` says whether it was
     "declared" (a number fixed before the data was seen), "rounded" (the true count rounded
-    down to 2 significant digits; the run samples from that many examples) or "exact" (the
-    true count, for data whose size is public, such as a benchmark task).
+    down to 2 significant digits) or "exact" (the true count, for data whose size is public,
+    such as a benchmark task). Every stored unit is sampled at q = B/N whatever N is;
+    `dataset_size_bound` (public, default N) bounds the stored units for the truncation term.
     """
 
     accountant: str
@@ -442,6 +449,7 @@ class PrivacyLedger:
     privacy_unit: str = PRIVACY_UNIT
     neighboring_relation: str = NEIGHBORING_RELATION
     dataset_size_source: str = "exact"
+    dataset_size_bound: int | None = None
     # Document-level ledgers only: the most sequences of one document in one step.
     max_sequences_per_document: int | None = None
     # A vocabulary learned from the private data under DP, spent before the first step.
@@ -455,6 +463,15 @@ class PrivacyLedger:
             )
         _check_delta(self.delta)
         _check_dataset_size(self.dataset_size)
+        if self.dataset_size_bound is not None and (
+            isinstance(self.dataset_size_bound, bool)
+            or not isinstance(self.dataset_size_bound, int)
+            or self.dataset_size_bound < self.dataset_size
+        ):
+            raise ValueError(
+                f"dataset_size_bound must be an integer >= dataset_size={self.dataset_size}, "
+                f"got {self.dataset_size_bound!r}"
+            )
         if not (isinstance(self.clip_norm, int | float) and self.clip_norm > 0):
             raise ValueError(f"clip_norm must be > 0, got {self.clip_norm!r}")
         if self.sampling != SAMPLING:
@@ -502,6 +519,7 @@ class PrivacyLedger:
         physical_batch_sizes: Sequence[int | None] | None = None,
         target_epsilon: float | None = None,
         dataset_size_source: str = "exact",
+        dataset_size_bound: int | None = None,
         privacy_unit: str = PRIVACY_UNIT,
         max_sequences_per_document: int | None = None,
         vocabulary: VocabularyEvent | None = None,
@@ -529,6 +547,7 @@ class PrivacyLedger:
             stages=stages,
             target_epsilon=target_epsilon,
             dataset_size_source=dataset_size_source,
+            dataset_size_bound=dataset_size_bound,
             privacy_unit=privacy_unit,
             max_sequences_per_document=max_sequences_per_document,
             vocabulary=vocabulary,
@@ -581,7 +600,13 @@ class PrivacyLedger:
     def truncation_probability(self) -> float:
         """Probability that any step of the run truncated its Poisson sample (union bound)."""
         return sum(
-            s.steps * overflow_probability(s.expected_batch_size, self.dataset_size, s.physical_batch_size)
+            s.steps
+            * overflow_probability(
+                s.expected_batch_size,
+                self.dataset_size,
+                s.physical_batch_size,
+                dataset_size_bound=self.dataset_size_bound,
+            )
             for s in self.stages
             if s.physical_batch_size is not None
         )
@@ -639,6 +664,8 @@ class PrivacyLedger:
             del d["max_sequences_per_document"]  # sequence-level ledgers keep their format
         if d["vocabulary"] is None:
             del d["vocabulary"]  # ledgers without a DP vocabulary keep their format
+        if d["dataset_size_bound"] is None:
+            del d["dataset_size_bound"]  # ledgers of data whose whole size is public (fine-tuning tasks)
         return d
 
     @classmethod

@@ -1,24 +1,28 @@
 """Poisson sampling of example indices, padded to a fixed physical batch.
 
-Each of the N examples joins step t's batch independently with probability q = B/N. We draw
-the realized size k ~ Binomial(N, q) and then k distinct indices uniformly at random: the two
-together are exactly Poisson sampling (given its size, a Poisson sample is a uniform subset).
-The distinct indices come from rounds of uniform draws with duplicates removed, in O(k) memory
-and O(k log k) time, never O(N): N = 5e8, B = 2,097,152 samples in a fraction of a second.
+Each of the S stored examples joins step t's batch independently with probability q = B/N, N the
+public dataset size (declared, or the count rounded down): every stored unit is sampled, so adding
+or removing one changes no other unit's inclusion (sampling "the first N rows" would make a
+neighbour a replacement). We draw the realized size k ~ Binomial(S, q) and then k distinct indices
+uniformly at random: the two together are exactly Poisson sampling (given its size, a Poisson
+sample is a uniform subset). The distinct indices come from rounds of uniform draws with
+duplicates removed, in O(k) memory and O(k log k) time, never O(S): S = 5e8, B = 2,097,152
+samples in a fraction of a second.
 
 Static shapes: the batch is padded to `physical_batch_size` with `is_padding = True` rows whose
 index is 0 (load any row; the clipped sum ignores it). If k exceeds the physical size, a
 uniformly random subset of that size is kept (truncation). `physical_batch_size()` picks a
-size whose per-step overflow probability is below a bound, and the accountant adds the
-truncation term to delta (see `accounting.PrivacyLedger.truncation_delta`).
+size whose per-step overflow probability is below a bound for any store of at most the public
+bound M >= S units, and the accountant adds the truncation term to delta
+(`accounting.PrivacyLedger.truncation_delta`).
 
 Guarantees: the sample of step t is a pure function of (key, t, N, B, physical size): replays
 and every host agree. Process p of P gets the contiguous slice p of the physical batch (whose
 size must be divisible by P); the union over processes is the global batch.
 
 Document-level DP (`document_sample`): the units of the Poisson sample are documents, given
-by `document_offsets` (document d holds sequences offsets[d] .. offsets[d+1]-1; the public N
-is the number of documents sampled from). Each sampled document then contributes at most
+by `document_offsets` (document d holds sequences offsets[d] .. offsets[d+1]-1; every stored
+document is sampled at q = B/N, N the public number of documents). Each sampled document then contributes at most
 `max_sequences_per_document` of its sequences, a uniformly random subset when it has more,
 drawn from the step key's DOCUMENT_SEQUENCES stream (secret, like the sample itself). The
 batch is [physical documents, max_sequences_per_document] sequence indices with a sequence
@@ -62,18 +66,22 @@ def physical_batch_size(
     *,
     overflow_probability_bound: float = DEFAULT_OVERFLOW_PROBABILITY,
     multiple: int = 1,
+    dataset_size_bound: int | None = None,
 ) -> int:
-    """Smallest multiple of `multiple` with P[Binomial(N+1, q) > size] <= the bound (capped at N+1)."""
+    """Smallest multiple of `multiple` with P[Binomial(M+1, q) > size] <= the bound (capped at M+1),
+    q = B/N and M the public bound on the stored units (default N)."""
     if not 0 < overflow_probability_bound < 1:
         raise ValueError(f"overflow_probability_bound must be in (0, 1), got {overflow_probability_bound!r}")
     if multiple < 1:
         raise ValueError(f"multiple must be >= 1, got {multiple!r}")
     sampling_rate(expected_batch_size, dataset_size)
-    lo, hi = expected_batch_size, dataset_size + 1
+    bound = dataset_size if dataset_size_bound is None else dataset_size_bound
+    lo, hi = expected_batch_size, bound + 1
     # Binary search on the monotone tail; scipy's isf is unreliable this far out.
     while lo < hi:
         mid = (lo + hi) // 2
-        if overflow_probability(expected_batch_size, dataset_size, mid) <= overflow_probability_bound:
+        overflow = overflow_probability(expected_batch_size, dataset_size, mid, dataset_size_bound=bound)
+        if overflow <= overflow_probability_bound:
             hi = mid
         else:
             lo = mid + 1
@@ -131,12 +139,17 @@ def poisson_sample(
     *,
     process_index: int = 0,
     process_count: int = 1,
+    stored_units: int | None = None,
 ) -> PoissonBatch:
-    """Step `step`'s Poisson sample (rate expected_batch_size / dataset_size), this process's share.
+    """Step `step`'s Poisson sample of every one of `stored_units` (default `dataset_size`), each
+    at rate expected_batch_size / dataset_size; this process's share.
 
     `key` is the run key (a jax PRNG key; the step's sampling key is derived from
     fold_in(key, step)) or an integer seed."""
     q = sampling_rate(expected_batch_size, dataset_size)
+    population = dataset_size if stored_units is None else stored_units
+    if isinstance(population, bool) or not isinstance(population, int | np.integer) or population < 1:
+        raise ValueError(f"stored_units must be an integer >= 1, got {stored_units!r}")
     if physical_batch_size < 1:
         raise ValueError(f"physical_batch_size must be >= 1, got {physical_batch_size!r}")
     if process_count < 1 or not 0 <= process_index < process_count:
@@ -148,8 +161,8 @@ def poisson_sample(
     if step < 0:
         raise ValueError(f"step must be >= 0, got {step!r}")
     rng = _generator(key, step)
-    realized = int(rng.binomial(dataset_size, q))
-    chosen = _distinct_uniform(rng, dataset_size, realized)
+    realized = int(rng.binomial(population, q))
+    chosen = _distinct_uniform(rng, int(population), realized)
     truncated = realized > physical_batch_size
     if truncated:
         chosen = np.sort(rng.choice(chosen, size=physical_batch_size, replace=False))
@@ -213,18 +226,20 @@ def document_sample(
     *,
     num_documents: int | None = None,
 ) -> DocumentBatch:
-    """Step `step`'s Poisson sample of documents (rate expected_batch_size / num_documents) and
-    up to `max_sequences_per_document` uniformly chosen sequences of each.
+    """Step `step`'s Poisson sample of every stored document (rate expected_batch_size /
+    num_documents) and up to `max_sequences_per_document` uniformly chosen sequences of each.
 
-    `num_documents` (default: all) is the public N: only the first N documents are sampled.
-    `expected_batch_size` and `physical_batch_size` count documents."""
+    `num_documents` (default: the stored count) is the public N of q = B/N; every stored
+    document is sampled whatever N is. `expected_batch_size` and `physical_batch_size` count
+    documents."""
     offsets = check_document_offsets(document_offsets)
-    n = offsets.size - 1 if num_documents is None else num_documents
-    if not 1 <= n <= offsets.size - 1:
-        raise ValueError(f"num_documents={num_documents} must be in [1, {offsets.size - 1}]")
+    stored = offsets.size - 1
+    n = stored if num_documents is None else num_documents
+    if n < 1:
+        raise ValueError(f"num_documents must be >= 1, got {num_documents!r}")
     if isinstance(max_sequences_per_document, bool) or max_sequences_per_document < 1:
         raise ValueError(f"max_sequences_per_document must be >= 1, got {max_sequences_per_document!r}")
-    docs = poisson_sample(key, step, n, expected_batch_size, physical_batch_size)
+    docs = poisson_sample(key, step, n, expected_batch_size, physical_batch_size, stored_units=stored)
     rows = docs.indices[: docs.realized_size]
     taken = _uniform_subsets(
         _generator(key, step, DOCUMENT_SEQUENCES), offsets[rows + 1] - offsets[rows], max_sequences_per_document

@@ -48,7 +48,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh
 
-from dpbert.config.plan import ledger_physical_batch_sizes
+from dpbert.config.plan import ledger_physical_batch_sizes, public_dataset_size
 from dpbert.config.recipe import Recipe
 from dpbert.model.bert import unrolled_layers
 from dpbert.privacy import randomness
@@ -165,17 +165,16 @@ def _flops(compiled: Any) -> float:
 
 def _physical(recipe: Recipe, stage_index: int, devices: int) -> int:
     """The trainer's compiled batch for a stage on `devices` devices: the ledger's physical batch
-    for `target.dataset_size` padded to devices x micro-batch; without a dataset size, the
-    expected batch padded (no Poisson margin)."""
+    (public N and bound from the recipe, or `target.dataset_size` as the stored count) padded to
+    devices x micro-batch; without a dataset size, the expected batch padded (no Poisson margin)."""
 
     mb = recipe.train.microbatch_size
-    n = recipe.target.dataset_size
-    ledger = (
-        recipe.schedule[stage_index].expected_batch_size
-        if n is None
-        else (ledger_physical_batch_sizes(recipe, n)[stage_index])
-    )
-    return device_batch_size(ledger, devices, mb)
+    stored = recipe.target.dataset_size
+    if stored is None and (recipe.privacy.dataset_size is None or not recipe.privacy.enabled):
+        return device_batch_size(recipe.schedule[stage_index].expected_batch_size, devices, mb)
+    size = public_dataset_size(recipe, stored)
+    bound = size.bound if recipe.privacy.enabled else None
+    return device_batch_size(ledger_physical_batch_sizes(recipe, size.n, bound)[stage_index], devices, mb)
 
 
 def compile_step(

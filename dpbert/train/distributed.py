@@ -84,12 +84,11 @@ def local_batch(
     (default: no padding), the rows the compiled step takes; the padded size must divide
     evenly over the processes. Padding never changes which examples are sampled, so the
     sample, the ledger and the update do not depend on the number of devices or processes.
-    `dataset_size` (default: all of `store`) samples from the first that many rows only."""
+    Every row of `store` is sampled at q = expected_batch_size / dataset_size (`dataset_size`:
+    the public N, default the store's row count)."""
     padded, share = _process_share(physical_batch_size, padded_batch_size)
     n = len(store) if dataset_size is None else dataset_size
-    if not 1 <= n <= len(store):
-        raise ValueError(f"dataset_size={dataset_size} must be in [1, {len(store)}] (the rows of the store)")
-    full = poisson_sample(run_key, step, n, expected_batch_size, physical_batch_size)
+    full = poisson_sample(run_key, step, n, expected_batch_size, physical_batch_size, stored_units=len(store))
     indices = np.zeros(padded, dtype=full.indices.dtype)
     indices[:physical_batch_size] = full.indices
     is_padding = np.ones(padded, dtype=bool)

@@ -265,7 +265,9 @@ def _train(
 
     def sample(index: int, t: int) -> Sample:
         if private:
-            drawn = poisson_sample(run_key, t, n, stage.expected_batch_size, physical)
+            drawn = poisson_sample(
+                run_key, t, loop_plan.ledger.dataset_size, stage.expected_batch_size, physical, stored_units=n
+            )
             chosen, chosen_padding = drawn.indices, drawn.is_padding
         else:
             chosen, chosen_padding = _shuffled_rows(run_key, t, n, physical, steps_per_epoch)

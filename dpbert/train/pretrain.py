@@ -25,7 +25,9 @@ Guarantees:
   store index)`); a resumed run therefore replays exactly the steps an uninterrupted run
   takes, and the ledger counts each completed step once;
 - the dataset size N of q = B/N is public (`privacy.dataset_size`, or the store's count
-  rounded down to 2 significant digits): the run samples from the first N sequences only;
+  rounded down to 2 significant digits) and every stored unit is sampled at q, so that adding
+  or removing one changes no other unit's inclusion; a store above the public bound
+  (`privacy.dataset_size_bound`, default 1.25 N) is refused;
 - a run, or a resume, whose full schedule would spend more than `privacy.target_epsilon`
   is refused before any step (`PrivacyLedger.check_budget`); on resume the recipe must
   agree with the checkpoint's ledger on every step already taken;
@@ -67,7 +69,7 @@ from jax.sharding import Mesh
 from tqdm.auto import tqdm
 
 from dpbert.atomic import write_json
-from dpbert.config.plan import Plan, dp_vocabulary_event, dp_vocabulary_window, make_plan, public_dataset_size
+from dpbert.config.plan import Plan, dp_vocabulary_event, dp_vocabulary_window, plan_recipe, public_dataset_size
 from dpbert.config.recipe import Recipe, load_recipe, recipe_to_dict, save_recipe
 from dpbert.data.store import TokenStore, prepare_store, train_texts
 from dpbert.data.tokenizer import load_tokenizer, resolve_tokenizer, train_dp_wordpiece
@@ -116,17 +118,18 @@ from dpbert.train.state import TrainState
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class TrainData:
-    """The run's token store opened for training: the public dataset size N (`n_train` units,
-    sequences or documents, and where N came from), documents' offsets when the unit is a
-    document, and the unigram baseline's token (a non-private diagnostic)."""
+    """The run's token store opened for training: its count of units (sequences or documents;
+    private, never released), the public dataset size N of q = B/N (`n_train`), documents'
+    offsets when the unit is a document, and the unigram baseline's token (a non-private
+    diagnostic)."""
 
     manifest: Any
     train_store: TokenStore
     eval_store: TokenStore
     tokenizer: Any
     offsets: np.ndarray | None
+    stored_units: int
     n_train: int
-    n_source: str
     unigram: int
 
 
@@ -157,25 +160,26 @@ def open_data(recipe: Recipe, run_dir: Path, log: Callable[[str], None]) -> Trai
     eval_store = TokenStore.open(store_dir, "eval")
     document_unit = recipe.privacy.enabled and recipe.privacy.unit == "document"
     offsets = train_store.document_offsets() if document_unit else None
-    n_train, n_source = public_dataset_size(recipe, len(train_store) if offsets is None else offsets.size - 1)
     if offsets is not None:
-        offsets = check_document_offsets(offsets[: n_train + 1])  # an empty document is refused here
-    n_sequences = n_train if offsets is None else int(offsets[-1])
+        offsets = check_document_offsets(offsets)  # an empty document is refused here
+    stored = len(train_store) if offsets is None else offsets.size - 1
+    size = public_dataset_size(recipe, stored)
     log(
         f"data: {len(train_store)} train / {len(eval_store)} held-out sequences of {manifest.seq_len} tokens "
         f"({manifest.source}; vocabulary {manifest.vocab_origin}, {manifest.vocab_size} tokens) "
         f"[{time.perf_counter() - t0:.0f} s]"
     )
     units = "sequences" if offsets is None else "documents"
-    if n_source != "exact":
+    if size.source != "exact":
         log(
-            f"data: sampling from the first {n_train} {units}, the public dataset size N of q = B/N "
-            f"({'declared in the recipe' if n_source == 'declared' else 'rounded down to 2 significant digits'})"
+            f"data: every stored {units[:-1]} is sampled at q = B/N with N = {size.n}, the public dataset size "
+            f"({'declared in the recipe' if size.source == 'declared' else 'rounded down to 2 significant digits'}); "
+            f"truncation accounted for stores of up to {size.bound} {units}"
         )
     if offsets is not None:
         log(
-            f"privacy unit: one document ({n_train} documents, {n_sequences} sequences; at most "
-            f"{recipe.privacy.max_sequences_per_document} sequences of a sampled document per step)"
+            f"privacy unit: one document (at most {recipe.privacy.max_sequences_per_document} sequences of a "
+            "sampled document per step)"
         )
     return TrainData(
         manifest=manifest,
@@ -183,9 +187,9 @@ def open_data(recipe: Recipe, run_dir: Path, log: Callable[[str], None]) -> Trai
         eval_store=eval_store,
         tokenizer=load_tokenizer(train_store.tokenizer_dir),
         offsets=offsets,
-        n_train=n_train,
-        n_source=n_source,
-        unigram=unigram_token(train_store, n_sequences, manifest.special_token_ids),
+        stored_units=stored,
+        n_train=size.n,
+        unigram=unigram_token(train_store, len(train_store), manifest.special_token_ids),
     )
 
 
@@ -432,7 +436,7 @@ def pretrain(
     recipe = dataclasses.replace(recipe, model=dataclasses.replace(recipe.model, vocab_size=vocab_size))
     # --- privacy plan (refuses a schedule that would pass the target epsilon, before anything is written),
     # from the recipe as written: the device's settings below never change the ledger
-    plan = make_plan(recipe, n_train, dataset_size_source=data.n_source)
+    plan = plan_recipe(recipe, data.stored_units)
     written = recipe
     if recipe.train.tune_for_device and offsets is None:  # document batches keep the recipe's micro-batch
         settings = device_settings(

@@ -4,10 +4,10 @@
 account --dataset-size N --batch-size B --steps T --noise-multiplier S --delta D`, the lists
 parsed in `dpbert.cli`); with `target_epsilon` instead of the schedule's multipliers it
 calibrates sigma (shared, or `per_stage` for equal per-stage shares). `ledger_from_recipe(path,
-...)` (`dpbert account RECIPE [--set k=v] [--dataset-size N]`) builds the same plan the trainer
-builds (`dpbert.config.plan.make_plan`: calibration, physical batch sizes, budget check); N
-defaults to the size of the recipe's token store (`data.store`), else to the recipe's planned
-`target.dataset_size`. `account_report(ledger)` is the text the command prints.
+...)` (`dpbert account RECIPE [--set k=v] [--dataset-size STORED]`) builds the plan the trainer
+builds (`dpbert.config.plan.plan_recipe`: public N and bound, calibration, physical batch sizes,
+budget check): N is the recipe's declared `privacy.dataset_size`, else the stored count (the
+token store's, `--dataset-size`, or `target.dataset_size`) rounded down to 2 significant digits. `account_report(ledger)` is the text the command prints.
 
 Guarantees: the printed epsilon is `PrivacyLedger.epsilon()` of the printed ledger, so the
 report and the ledger cannot disagree; `as_json` (`--json`) gives one JSON object with at least
@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from dpbert.config.plan import make_plan
+from dpbert.config.plan import plan_recipe
 from dpbert.config.recipe import load_recipe
 from dpbert.data.store import TokenStore
 from dpbert.privacy.accounting import PrivacyLedger, calibrate_noise_multiplier
@@ -63,21 +63,20 @@ def ledger_for_schedule(
 def ledger_from_recipe(
     recipe_path: str | Path, *, overrides: Sequence[str] = (), dataset_size: int | None = None
 ) -> PrivacyLedger:
-    """The ledger the trainer would plan for the recipe (same code path as `dpbert pretrain`);
-    `dataset_size` None: the recipe's token store's size, else its `target.dataset_size`."""
+    """The ledger the trainer plans for the recipe (`dpbert.config.plan.plan_recipe`, the builder
+    `dpbert pretrain` calls). `dataset_size`: the count of stored training units; None: counted in
+    the recipe's token store (`data.store`), else its `target.dataset_size`. Only a recipe that
+    declares no `privacy.dataset_size` takes N from that count (rounded down)."""
     recipe = load_recipe(recipe_path, overrides)
     if not recipe.privacy.enabled:
         raise ValueError(f"{recipe_path}: privacy.enabled is false; a non-private recipe has no epsilon")
-    if dataset_size is None and recipe.data.store is None:
-        # A recipe written for data not at hand states its planned N (recipe field target.dataset_size).
-        dataset_size = recipe.target.dataset_size
-    if dataset_size is None:
-        if recipe.data.store is None:
-            raise ValueError(
-                f"{recipe_path}: give --dataset-size (the recipe has no data.store to count examples in, nor target.dataset_size)"
-            )
-        dataset_size = len(TokenStore.open(recipe.data.store, split="train"))
-    plan = make_plan(recipe, dataset_size)
+    stored = dataset_size
+    if stored is None and recipe.data.store is not None:
+        store = TokenStore.open(recipe.data.store, split="train")
+        stored = store.document_offsets().size - 1 if recipe.privacy.unit == "document" else len(store)
+    if stored is None:
+        stored = recipe.target.dataset_size
+    plan = plan_recipe(recipe, stored)
     assert plan.ledger is not None
     return plan.ledger
 
