@@ -16,6 +16,9 @@ Guarantees:
   `fold_in(rng, position_offset + i)`, so the result does not depend on `microbatch_size` or on
   how the batch is split over devices (up to float summation order).
 - `ClipStats` are computed on private data: they are NOT covered by the DP guarantee.
+- Precision: norms, clip factors and the clipped sum are float32 at HIGHEST precision whatever
+  the model's compute dtype, so no clipped example exceeds clip_norm on an accelerator (whose
+  default TF32 or bfloat16 contractions would round the clip factors and gradients).
 """
 
 from __future__ import annotations
@@ -26,6 +29,9 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+
+_F32 = jnp.float32
+_HIGHEST = jax.lax.Precision.HIGHEST
 
 LossFn = Callable[[Any, Any, jax.Array], jax.Array]
 
@@ -89,12 +95,13 @@ def clip_scale(
     """(keep [M], clip factor [M], updated stats) of one micro-batch from per-example norms.
 
     keep = real and finite (loss and norm); factor = min(1, C / norm) for kept examples and
-    exactly 0 otherwise (a zero gradient's C / 0 = inf maps to 1). Both clipping paths use
-    this one rule, so they clip and count alike."""
+    exactly 0 otherwise (a zero gradient's C / 0 = inf maps to 1), in float32. Both clipping
+    paths use this one rule, so they clip and count alike."""
+    norms = norms.astype(_F32)
     finite = jnp.isfinite(norms) & jnp.isfinite(losses)
     real = ~padding
     keep = real & finite
-    scale = jnp.where(keep, jnp.minimum(1.0, clip_norm / norms), 0.0)
+    scale = jnp.where(keep, jnp.minimum(1.0, jnp.asarray(clip_norm, _F32) / norms), 0.0).astype(_F32)
     f32 = jnp.float32
     stats = ClipStats(
         num_examples=stats.num_examples + jnp.sum(real, dtype=f32),
@@ -175,10 +182,11 @@ def clipped_grad_sum(
         def add(acc: jax.Array, g: jax.Array) -> jax.Array:
             bshape = (microbatch_size,) + (1,) * (g.ndim - 1)
             # where() before multiplying: 0 * NaN would still be NaN.
-            g = jnp.where(keep.reshape(bshape), g.astype(jnp.float32), 0.0)
+            g = jnp.where(keep.reshape(bshape), g.astype(_F32), 0.0)
             # A contraction over the example axis, not a broadcast-multiply + reduce: XLA CPU
-            # runs the latter ~10x slower on large leaves such as a [M, V, H] embedding.
-            return acc + jnp.tensordot(scale, g, axes=1)
+            # runs the latter ~10x slower on large leaves such as a [M, V, H] embedding. HIGHEST:
+            # an accelerator's default precision would round the clip factors and gradients.
+            return acc + jnp.tensordot(scale, g, axes=1, precision=_HIGHEST, preferred_element_type=_F32)
 
         return (jax.tree_util.tree_map(add, total, grads), stats), None
 

@@ -52,6 +52,11 @@ extreme: a finite gradient whose squared norm overflows float32 (norm > ~1e19) i
 (counted non-finite) here, clipped there; both keep the sensitivity at clip_norm. No piece of
 the program grows with the micro-batch size M (per-example sums are one dot for M > 8, see
 `_weighted_example_sum`).
+
+Precision: norms, clip factors and the clipped sum are float32 at HIGHEST precision whatever
+the model's compute dtype (bfloat16 taps are cast first; every contraction here is `_einsum`
+or a HIGHEST dot), so the bound holds on accelerators, whose default TF32 or one-pass bfloat16
+contractions let a clipped example exceed C by up to ~2^-9 of its norm.
 """
 
 from __future__ import annotations
@@ -67,6 +72,7 @@ from dpbert.privacy.clipping import ClipStats, clip_scale, example_keys, scan_mi
 
 Path = tuple[Any, ...]
 _F32 = jnp.float32
+_HIGHEST = jax.lax.Precision.HIGHEST
 LAYER_MODES = ("mixed", "ghost", "instantiate")
 
 
@@ -178,6 +184,12 @@ def _flat(x: jax.Array) -> jax.Array:
     return x.reshape(x.shape[0], -1, x.shape[-1]).astype(_F32)
 
 
+def _einsum(spec: str, *operands: jax.Array) -> jax.Array:
+    """`jnp.einsum` in float32 at HIGHEST precision (an accelerator's default is TF32 or bf16)."""
+    operands = tuple(x.astype(_F32) for x in operands)
+    return jnp.einsum(spec, *operands, precision=_HIGHEST, preferred_element_type=_F32)
+
+
 def dense_layer_mode(layer_mode: str, t: int, d_in: int, d_out: int, *, backend: str | None = None) -> str:
     """How a dense kernel's per-example norm and clipped sum are computed (static, per shape).
 
@@ -204,7 +216,7 @@ def dense_layer_mode(layer_mode: str, t: int, d_in: int, d_out: int, *, backend:
 
 def _ghost_sq_norm(a: jax.Array, g: jax.Array) -> jax.Array:
     """||a_i^T g_i||_F^2 per example from the Gram matrices of a and g."""
-    return jnp.sum(jnp.einsum("mtd,msd->mts", a, a) * jnp.einsum("mtd,msd->mts", g, g), axis=(1, 2))
+    return jnp.sum(_einsum("mtd,msd->mts", a, a) * _einsum("mtd,msd->mts", g, g), axis=(1, 2))
 
 
 def _kernels_transposed(a: jax.Array, g: jax.Array) -> bool:
@@ -217,7 +229,7 @@ def _per_example_kernels(a: jax.Array, g: jax.Array) -> jax.Array:
     when d_in > d_out: XLA CPU computes the batched product with the larger dimension last
     faster (BERT tiny's FFN output, 512 -> 128, M = 4, with norm and weighted sum: 0.83 -> 0.60
     ms; the whole ghost sum of a tiny BERT batch of 64: 400 -> 358 ms)."""
-    return jnp.einsum("mti,mto->moi" if _kernels_transposed(a, g) else "mti,mto->mio", a, g)
+    return _einsum("mti,mto->moi" if _kernels_transposed(a, g) else "mti,mto->mio", a, g)
 
 
 def _weighted_outer(a: jax.Array, g: jax.Array, w: jax.Array, transposed: bool) -> jax.Array:
@@ -225,8 +237,8 @@ def _weighted_outer(a: jax.Array, g: jax.Array, w: jax.Array, transposed: bool) 
     smaller operand (fewer bytes moved)."""
     spec = "mti,mto->oi" if transposed else "mti,mto->io"
     if a.shape[2] <= g.shape[2]:
-        return jnp.einsum(spec, a * w[:, None, None], g)
-    return jnp.einsum(spec, a, g * w[:, None, None])
+        return _einsum(spec, a * w[:, None, None], g)
+    return _einsum(spec, a, g * w[:, None, None])
 
 
 # Micro-batches up to this size sum per-example gradients as an unrolled chain of M
@@ -242,13 +254,14 @@ def _weighted_example_sum(x: jax.Array, w: jax.Array) -> jax.Array:
     """sum_i w_i x_i over the leading (example) axis: unrolled for M <= _UNROLL_MAX, else one dot
     (its program size does not depend on M)."""
     m = x.shape[0]
+    w, x = w.astype(_F32), x.astype(_F32)
     if m <= _UNROLL_MAX:
         return sum((w[i] * x[i] for i in range(1, m)), w[0] * x[0])
-    return jnp.matmul(w.astype(x.dtype), x.reshape(m, -1), precision=jax.lax.Precision.HIGHEST).reshape(x.shape[1:])
+    return jnp.matmul(w, x.reshape(m, -1), precision=_HIGHEST, preferred_element_type=_F32).reshape(x.shape[1:])
 
 
 def _sq(x: jax.Array) -> jax.Array:
-    return jnp.sum(jnp.square(x), axis=tuple(range(1, x.ndim)))
+    return jnp.sum(jnp.square(x.astype(_F32)), axis=tuple(range(1, x.ndim)))
 
 
 def _where_kept(keep: jax.Array, x: jax.Array) -> jax.Array:
@@ -371,7 +384,7 @@ def _group_sq_norms(
             ids, g = inputs[name].reshape(m, -1), _flat(g)
             n_rows = group.shapes[tap.table][0]
             if _lookup_instantiated(ids, n_rows):
-                per_example[tap.table] = jnp.einsum("mtk,mth->mkh", jax.nn.one_hot(ids, n_rows, dtype=_F32), g)
+                per_example[tap.table] = _einsum("mtk,mth->mkh", jax.nn.one_hot(ids, n_rows, dtype=_F32), g)
             else:
                 # Each row receives the sum of its tokens' gradients: add every token's gradient at
                 # its id's first position (a T x T id comparison and a scatter; the T^2 d Gram of g
@@ -384,7 +397,7 @@ def _group_sq_norms(
         ids = inputs[lookup].reshape(grads[lookup].shape[0], -1)
         g, x, e = _flat(grads[lookup]), _flat(inputs[dense]), _flat(grads[dense])
         e_at_ids = jnp.take_along_axis(e, ids[:, None, :], axis=2)  # [M, P, T]: e_p[id_t]
-        total += 2.0 * jnp.sum(e_at_ids * jnp.einsum("mph,mth->mpt", x, g), axis=(1, 2))
+        total += 2.0 * jnp.sum(e_at_ids * _einsum("mph,mth->mpt", x, g), axis=(1, 2))
     return total + sum(_sq(x) for x in per_example.values()), per_example
 
 
