@@ -8,8 +8,15 @@ Guarantees:
 - atomic: Orbax writes each step into a temporary folder and renames it when complete,
   so a run killed mid-save leaves the previous checkpoint as the latest one;
 - a checkpoint is only accepted when its `meta` carries this module's format tag and the
-  arrays match the expected tree; anything else (a corrupted, partial or foreign folder)
-  raises `ValueError` naming the path;
+  arrays match the expected tree; anything else raises `ValueError` naming the path: a folder
+  whose files cannot be read (cut short, overwritten, missing) raises its subclass
+  `DamagedCheckpointError`, so that a resume can fall back to the checkpoint before it
+  (`dpbert.train.engine.restore_or_init`) and `set_aside` moves it out of the steps Orbax
+  tracks; a foreign folder or another recipe's checkpoint is refused with a plain `ValueError`;
+- a failed restore leaves nothing running: Orbax reads the arrays concurrently on an event loop
+  it closes as soon as one read fails, and the reads still in flight would then report to the
+  closed loop ("RuntimeError: Event loop is closed" tracebacks, printed from TensorStore's
+  threads); every restore here runs with loops that let their unfinished reads end before closing;
 - saves are synchronous: when `save` returns, the checkpoint is on disk;
 - layouts: checkpoints are written with the encoder's layers stacked (one array per parameter
   of the scanned layer body, leading layer axis: `FORMAT` .../2). A checkpoint written before
@@ -21,6 +28,10 @@ Guarantees:
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +45,64 @@ from dpbert.train.state import TrainState, ledger_text
 FORMAT = "dpbert-pretrain-checkpoint/2"
 # Written before the encoder's layers were stacked for the scan: per-layer arrays.
 LEGACY_FORMAT = "dpbert-pretrain-checkpoint/1"
+
+
+# How long a closing restore loop waits for its unfinished reads (a damaged local checkpoint's
+# remaining reads end in milliseconds; a hung remote file system must not hang the run).
+_DRAIN_TIMEOUT_S = 60.0
+
+
+class DamagedCheckpointError(ValueError):
+    """Checkpoint `step` (folder `path`) cannot be read: its metadata or arrays failed to restore.
+    `reason` is the error's first line (of its root cause, when Orbax wraps a TensorStore error)."""
+
+    def __init__(self, step: int, path: Path, what: str, reason: str):
+        self.step, self.path, self.reason = step, path, reason
+        super().__init__(f"checkpoint {path}: cannot {what} ({reason})")
+
+
+def first_line(err: BaseException) -> str:
+    """`Type: first line` of the innermost cause of `err` (Orbax wraps TensorStore's error, which
+    names the file and the byte range, in a message that dumps the array's spec)."""
+    root = err
+    while root.__cause__ is not None:
+        root = root.__cause__
+    lines = str(root).strip().splitlines()
+    return f"{type(root).__name__}: {lines[0] if lines else ''}".rstrip(": ")
+
+
+class _DrainingLoop(asyncio.SelectorEventLoop):
+    """An event loop that, when closed, first lets its unfinished tasks end (see the module docstring)."""
+
+    def close(self) -> None:
+        if not self.is_closed() and not self.is_running():
+            pending = [task for task in asyncio.all_tasks(self) if not task.done()]
+            if pending:
+                self.run_until_complete(asyncio.wait(pending, timeout=_DRAIN_TIMEOUT_S))
+                for task in pending:
+                    if task.done() and not task.cancelled():
+                        task.exception()  # retrieved: no "Task exception was never retrieved" at exit
+        super().close()
+
+
+@contextlib.contextmanager
+def _draining_loops() -> Iterator[None]:
+    """Orbax's event loops drain before they close while inside (it makes them with
+    `asyncio.new_event_loop`, i.e. through the event loop policy)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # the policy API is deprecated from Python 3.14
+        previous = asyncio.get_event_loop_policy()
+
+        class Policy(asyncio.DefaultEventLoopPolicy):  # type: ignore[misc, valid-type]
+            _loop_factory = _DrainingLoop
+
+        asyncio.set_event_loop_policy(Policy())
+    try:
+        yield
+    finally:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            asyncio.set_event_loop_policy(previous)
 
 
 def _map_states(tree: Any, fn: Any) -> Any:
@@ -61,6 +130,28 @@ class CheckpointStore:
         """The newest complete checkpoint's step, or None when there is none."""
         return self._manager.latest_step()
 
+    def steps(self) -> list[int]:
+        """The complete checkpoints' steps, newest first."""
+        return sorted(self._manager.all_steps(), reverse=True)
+
+    def set_aside(self, step: int) -> Path:
+        """Rename the (damaged) folder of checkpoint `step` to `<step>.damaged` (`.damaged-2`, ... when
+        taken), which Orbax does not take for a step: it is never restored, and saving `step` again
+        writes a new folder. Returns the new path; call `reload` afterwards (on every process)."""
+        source = self.directory / str(step)
+        target = self.directory / f"{step}.damaged"
+        n = 2
+        while target.exists():
+            target = self.directory / f"{step}.damaged-{n}"
+            n += 1
+        source.rename(target)
+        self.reload()
+        return target
+
+    def reload(self) -> None:
+        """Re-read the steps on disk (after another process set a folder aside)."""
+        self._manager.reload()
+
     def save(self, state: TrainState, fingerprints: dict[str, str]) -> None:
         """Write `state` as checkpoint `state.step` (replacing nothing: a step is saved once)."""
         if state.step in self._manager.all_steps():
@@ -87,9 +178,10 @@ class CheckpointStore:
             raise FileNotFoundError(f"no checkpoint to resume from in {self.directory}")
         path = self.directory / str(step)
         try:
-            meta = self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+            with _draining_loops():
+                meta = self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
         except Exception as err:  # Orbax raises many types for unreadable folders; name the path.
-            raise ValueError(f"checkpoint {path}: cannot read its metadata ({type(err).__name__}: {err})") from None
+            raise DamagedCheckpointError(step, path, "read its metadata", first_line(err)) from None
         if not isinstance(meta, dict) or meta.get("format") not in (FORMAT, LEGACY_FORMAT):
             raise ValueError(f"checkpoint {path}: not a dpbert pretraining checkpoint (expected format {FORMAT!r})")
         legacy = meta["format"] == LEGACY_FORMAT
@@ -107,13 +199,12 @@ class CheckpointStore:
             arrays = self._restore_legacy(step, path, abstract)
         else:
             try:
-                arrays = self._manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract)))[
-                    "state"
-                ]
+                with _draining_loops():
+                    arrays = self._manager.restore(
+                        step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract))
+                    )["state"]
             except Exception as err:  # same reason as above
-                raise ValueError(
-                    f"checkpoint {path}: cannot restore its arrays ({type(err).__name__}: {err})"
-                ) from None
+                raise DamagedCheckpointError(step, path, "restore its arrays", first_line(err)) from None
         return TrainState(
             params=arrays["params"],
             opt_state=arrays["opt_state"],
@@ -126,9 +217,10 @@ class CheckpointStore:
         placed as `abstract` says (its shardings)."""
         try:
             per_layer = _map_states(abstract, unstack_layers)
-            arrays = self._manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(per_layer)))[
-                "state"
-            ]
+            with _draining_loops():
+                arrays = self._manager.restore(
+                    step, args=ocp.args.Composite(state=ocp.args.StandardRestore(per_layer))
+                )["state"]
             shardings = jax.tree.map(lambda x: getattr(x, "sharding", None), abstract)
             placed = all(s is not None for s in jax.tree.leaves(shardings, is_leaf=lambda s: s is None))
             stack = lambda a: _map_states(a, stack_layers)  # noqa: E731

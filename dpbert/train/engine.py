@@ -13,11 +13,17 @@ A task (pretraining, fine-tuning) hands the engine
 Export is the task's, after `run_loop` returns.
 
 The engine owns, for every task:
-- resume with exact replay: `restore_or_init` restores the latest checkpoint into the state's
-  shardings, refuses one whose ledger differs from the plan's for the steps taken, and drops
-  metrics records past it; the loop then takes step t with `step_key(stage_key, t)` and the
+- resume with exact replay: `restore_or_init` restores the newest checkpoint that restores into
+  the state's shardings, refuses one whose ledger differs from the plan's for the steps taken, and
+  drops metrics records past it; the loop then takes step t with `step_key(stage_key, t)` and the
   task's `sample(stage, t)`, so the resumed run takes exactly the uninterrupted run's steps and
   the ledger in the state counts each completed step once;
+- a damaged checkpoint costs a step range, not the run: one whose files cannot be read
+  (`DamagedCheckpointError`) is logged by step and folder, the one before it is tried, and once
+  one restores the damaged ones are moved aside (`<step>.damaged`) so that the run saves those
+  steps anew; the steps after the restored one are replayed exactly (same secret, same keys),
+  which spends no privacy twice. When none restores, `NoRestorableCheckpointError` names the
+  folder and asks for a fresh run folder;
 - SIGTERM: the current step finishes, a checkpoint is written, `run_loop` returns `stopped`;
 - a non-finite training loss raises `NonFiniteLossError` naming the step;
 - train records with the clipping statistics of the step (`nonprivate_diagnostics`: loss,
@@ -51,7 +57,7 @@ from dpbert.privacy import make_dp_train_step, make_train_step, step_key
 from dpbert.privacy.dp_step import StepFn
 from dpbert.privacy.randomness import SECRET_FILE, RunSecret, run_secret
 from dpbert.train import distributed
-from dpbert.train.checkpoint import CheckpointStore
+from dpbert.train.checkpoint import CheckpointStore, DamagedCheckpointError
 from dpbert.train.mesh import batch_axes
 from dpbert.train.metrics import MetricsLog, truncate_after
 from dpbert.train.state import TrainState, ledger_text
@@ -59,6 +65,10 @@ from dpbert.train.state import TrainState, ledger_text
 
 class NonFiniteLossError(RuntimeError):
     """Training produced a NaN or infinite loss."""
+
+
+class NoRestorableCheckpointError(ValueError):
+    """A resume found checkpoints but none of them restores (each is damaged)."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -209,7 +219,7 @@ def restore_or_init(
     if resume and checkpoints.latest_step() is not None:
         params, opt_state = like
         template = TrainState(params=params, opt_state=opt_state, step=0, ledger_json=ledger_text(plan.ledger_after(0)))
-        state = checkpoints.restore(template, fingerprints)
+        state, damaged = _restore_newest_intact(checkpoints, template, fingerprints, log)
         if state.step > total_steps:
             raise ValueError(
                 f"checkpoint at step {state.step} is past the recipe's {total_steps} steps; "
@@ -221,16 +231,76 @@ def restore_or_init(
                 "recipe's plan for the steps already taken (noise multiplier, batch sizes, delta or dataset "
                 "changed); a resumed run must replay the same steps"
             )
+        if damaged:
+            _set_aside(checkpoints, damaged, log)
         if primary:
             for path in metrics_paths:
                 truncate_after(path, state.step)
-        log(f"resumed from step {state.step}")
+        if damaged:
+            newest = max(err.step for err in damaged)
+            replayed = f"step {newest}" if newest == state.step + 1 else f"steps {state.step + 1}-{newest}"
+            log(
+                f"resumed from step {state.step}, the newest checkpoint that restores: {replayed} "
+                "will be replayed exactly (same secret, same per-step keys), so repeating them spends no "
+                "privacy twice and the ledger counts each step once"
+            )
+        else:
+            log(f"resumed from step {state.step}")
         return state
     params, opt_state = init()
     if primary:
         for path in metrics_paths:
             path.unlink(missing_ok=True)
     return TrainState(params=params, opt_state=opt_state, step=0, ledger_json=ledger_text(plan.ledger_after(0)))
+
+
+def _restore_newest_intact(
+    checkpoints: CheckpointStore, template: TrainState, fingerprints: dict[str, str], log: Callable[[str], None]
+) -> tuple[TrainState, list[DamagedCheckpointError]]:
+    """The newest checkpoint that restores, and the damaged ones newer than it (each logged by step,
+    folder and the error's first line). Every process takes the same checkpoint: one that fails on
+    any process counts as damaged. A refusal that is not damage (another recipe, a foreign folder)
+    is raised at once: an older checkpoint of the same folder would be refused the same way."""
+    damaged: list[DamagedCheckpointError] = []
+    steps = checkpoints.steps()
+    for step in steps:
+        error: DamagedCheckpointError | None = None
+        try:
+            state = checkpoints.restore(template, fingerprints, step=step)
+        except DamagedCheckpointError as err:
+            error = err
+        if distributed.any_process(error is not None):
+            if error is None:
+                error = DamagedCheckpointError(
+                    step, checkpoints.directory / str(step), "restore", "failed on another process"
+                )
+            damaged.append(error)
+            log(
+                f"checkpoint at step {step} ({error.path}) is damaged and does not restore: {error.reason}; "
+                + ("trying the one before it" if step != steps[-1] else "no checkpoint before it")
+            )
+            continue
+        return state, damaged
+    listed = "; ".join(f"step {err.step} ({err.path}): {err.reason}" for err in damaged)
+    raise NoRestorableCheckpointError(
+        f"no checkpoint in {checkpoints.directory} restores, so this run folder cannot be resumed "
+        f"(damaged: {listed}); start a fresh run in a new run folder (another --output-dir, without --resume)"
+    )
+
+
+def _set_aside(
+    checkpoints: CheckpointStore, damaged: Sequence[DamagedCheckpointError], log: Callable[[str], None]
+) -> None:
+    """Move the damaged checkpoints out of the steps Orbax tracks (process 0 renames, every process
+    re-reads the folder), so that none is taken for the latest and their steps are saved anew."""
+    if distributed.is_primary():
+        for err in damaged:
+            moved = checkpoints.set_aside(err.step)
+            log(
+                f"moved the damaged checkpoint of step {err.step} aside to {moved} (kept for inspection, never restored)"
+            )
+    distributed.barrier("dpbert: damaged checkpoints set aside")
+    checkpoints.reload()
 
 
 class StopFlag:
