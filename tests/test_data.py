@@ -19,7 +19,7 @@ from dpbert.data.corpus import packaged_corpus_dir, resolve_corpus
 from dpbert.data.masking import DATA_STREAM, example_mask_key, mask_tokens, num_to_mask
 from dpbert.data.packing import pack_document
 from dpbert.data.store import TokenStore, eval_document_indices, prepare, prepare_store, read_manifest
-from dpbert.data.tokenizer import load_tokenizer
+from dpbert.data.tokenizer import load_tokenizer, resolve_tokenizer
 
 # Tiny BERT vocabulary: whole words w0..w49 (so a document made of one word is recognisable in
 # every example), letters and ##-pieces for ordinary text.
@@ -69,7 +69,13 @@ def word_store(tmp_path_factory: pytest.TempPathFactory, tok_dir: Path) -> Path:
     base = tmp_path_factory.mktemp("words")
     corpus = _word_corpus(base / "corpus", LENGTHS)
     prepare_store(
-        base / "store", corpus=str(corpus), tokenizer=str(tok_dir), seq_len=16, eval_fraction=0.2, seed=3, num_proc=1
+        base / "store",
+        corpus=str(corpus),
+        tokenizer=resolve_tokenizer(str(tok_dir), declared_public=True),
+        seq_len=16,
+        eval_fraction=0.2,
+        seed=3,
+        num_proc=1,
     )
     return base / "store"
 
@@ -180,7 +186,7 @@ def test_store_round_trips_by_random_indices(word_store: Path, tokenizer) -> Non
     assert manifest.splits["eval"].num_documents == 4 and manifest.splits["train"].num_documents == 16
     assert manifest.pad_id == PAD and manifest.cls_id == CLS and manifest.mask_id == MASK
     assert manifest.special_token_ids == (0, 1, 2, 3, 4)
-    assert manifest.vocab_size == len(VOCAB) and manifest.vocab_origin == "public"
+    assert manifest.vocab_size == len(VOCAB) and manifest.vocab_origin_kind == "declared"
     assert manifest.vocab_covered_by_dp_guarantee
 
 
@@ -321,7 +327,8 @@ def test_trained_vocabulary_is_recorded_as_not_covered(tmp_path: Path) -> None:
         eval_fraction=0.25,
         num_proc=1,
     )
-    assert manifest.vocab_origin == f"trained on {corpus}"
+    assert manifest.vocab_origin.startswith("trained on the run's private training corpus")
+    assert manifest.vocab_origin_kind == "train"
     assert not manifest.vocab_covered_by_dp_guarantee
     assert manifest.vocab_size <= 60 and manifest.splits["eval"].num_documents == 3
     # Reusing the trained folder for another store keeps the record.
@@ -360,6 +367,7 @@ def test_cli_prepare(tmp_path: Path, tok_dir: Path, capsys: pytest.CaptureFixtur
             str(corpus),
             "--tokenizer",
             str(tok_dir),
+            "--tokenizer-declared-public",
             "--out",
             str(out),
             "--seq-len",
@@ -374,7 +382,7 @@ def test_cli_prepare(tmp_path: Path, tok_dir: Path, capsys: pytest.CaptureFixtur
     assert rc == 0, printed
     manifest = read_manifest(out)
     assert f"train      {manifest.num_examples('train')} examples x 16 tokens from 18 documents" in printed
-    assert "vocabulary public" in printed
+    assert "declared public by the user" in printed
     rc = cli.main(["prepare", "--corpus", str(tmp_path / "missing"), "--out", str(tmp_path / "s2")])
     assert rc == 1
     assert f"corpus path {tmp_path / 'missing'} does not exist" in capsys.readouterr().err

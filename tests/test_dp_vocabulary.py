@@ -3,6 +3,7 @@ its event composed with training's in one ledger, and the release that states it
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import random
@@ -23,7 +24,12 @@ from dpbert.config.plan import dp_vocabulary_event, make_plan
 from dpbert.config.recipe import RecipeError, load_recipe, recipe_to_dict
 from dpbert.data.store import prepare_store
 from dpbert.data.tokenizer import bert_words, load_tokenizer, privacy_units, train_dp_wordpiece
-from dpbert.privacy.accounting import PrivacyLedger, VocabularyEvent, calibrate_vocabulary
+from dpbert.privacy.accounting import (
+    PrivacyLedger,
+    VocabularyEvent,
+    calibrate_vocabulary,
+    window_sequence_sensitivity,
+)
 from dpbert.privacy.vocabulary import bounded_word_counts, select_words, unit_words
 from dpbert.release import verify_folder
 from dpbert.release.card import read_front_matter
@@ -76,16 +82,25 @@ def test_frequent_words_pass_and_noise_depends_on_the_key_not_the_order() -> Non
     assert select_words(counts, event, jax.random.key(4))["the"] != kept["the"]
 
 
-def test_recipe_threshold_keeps_single_unit_words_with_probability_at_most_vocab_delta() -> None:
-    # At the recipe's own threshold the chance is 7e-9 per word: 200,000 single-unit words keep none
-    # (expected 1.4e-3), while the threshold, recomputed from the normal tail, gives exactly vocab_delta.
+def test_recipe_threshold_keeps_one_sided_words_with_probability_at_most_vocab_delta() -> None:
+    # One training sequence can leave up to M = 14 words counted on one side only, each with a count of
+    # at most 2 (a word in both windows the sequence meets): at the recipe's threshold the chance is
+    # 7e-9 per word, so 200,000 such words keep none, and the threshold, recomputed from the normal
+    # tail, gives exactly vocab_delta over the M words.
     recipe = load_recipe(DP_VOCAB_RECIPE)
     event = dp_vocabulary_event(recipe)
     k = event.words_per_unit
-    assert k == recipe.data.seq_len - 2 == 14
-    p = 1 - NormalDist(1.0, event.noise_stddev).cdf(event.threshold)
-    assert 1 - (1 - p) ** k == pytest.approx(recipe.data.vocab_delta, rel=1e-4)
-    counts = Counter({f"name{i}": 1 for i in range(200_000)})
+    assert k == event.window == recipe.data.seq_len - 2 == 14
+    assert (event.relation, event.unit, event.linf_sensitivity, event.selection_words) == (
+        "sequence_in_windows",
+        "one example sequence",
+        2,
+        14,
+    )
+    assert event.l2_sensitivity == pytest.approx(math.sqrt(32))
+    p = 1 - NormalDist(2.0, event.noise_stddev).cdf(event.threshold)
+    assert 1 - (1 - p) ** 14 == pytest.approx(recipe.data.vocab_delta, rel=1e-4)
+    counts = Counter({f"name{i}": 1 + i % 2 for i in range(200_000)})
     assert select_words(counts, event, jax.random.key(11)) == {}
 
 
@@ -142,6 +157,158 @@ def test_the_dp_vocabulary_recipe_is_the_tiny_recipe_with_a_dp_vocabulary() -> N
     assert {k: dp[k] == tiny[k] for k in dp if k not in ("data", "privacy")} == {
         k: True for k in dp if k not in ("data", "privacy")
     }
+
+
+# ---- sensitivity: one training sequence, windows counted from the document start
+
+
+def _rgs(n: int):
+    """Every word list of length n up to renaming (restricted growth strings)."""
+
+    def rec(prefix: list[int], m: int):
+        if len(prefix) == n:
+            yield list(prefix)
+            return
+        for v in range(m + 1):
+            yield from rec([*prefix, v], max(m, v + 1))
+
+    yield from rec([], 0)
+
+
+def _window_counts(words: list, w: int, k: int) -> Counter:
+    """The counts of the real mechanism (`bounded_word_counts`) over the windows of `words`, the grid
+    fixed (None: an emptied position)."""
+    windows = [[x for x in words[i : i + w] if x is not None] for i in range(0, len(words), w)]
+    return bounded_word_counts(windows, k)[0]
+
+
+def _brute_force(w: int, k: int) -> tuple[int, int, int]:
+    """(max ||d||^2, max |d|, most words counted on one side only) over every two windows of w words and
+    every training sequence: a run of <= w consecutive positions emptied in place, its first and last
+    positions possibly left holding another word (cut at a token boundary), old or new."""
+    best = [0, 0, 0]
+    for words in _rgs(2 * w):
+        labels = max(words) + 1
+        before = _window_counts(words, w, k)
+        others = [None, *range(labels), "new1", "new2"]
+        for a in range(2 * w):
+            for b in range(a + 1, min(2 * w, a + w) + 1):
+                for x in others:
+                    for y in others if b - 1 > a else [None]:
+                        after_words = words[:a] + [None] * (b - a) + words[b:]
+                        after_words[a] = x
+                        if b - 1 > a:
+                            after_words[b - 1] = y
+                        after = _window_counts(after_words, w, k)
+                        keys = set(before) | set(after)
+                        d = [before[t] - after[t] for t in keys]
+                        best[0] = max(best[0], sum(v * v for v in d))
+                        best[1] = max(best[1], max(abs(v) for v in d))
+                        one_sided = (
+                            sum(1 for t in keys if before[t] and not after[t]),
+                            sum(1 for t in keys if after[t] and not before[t]),
+                        )
+                        best[2] = max(best[2], *one_sided)
+    return tuple(best)
+
+
+@pytest.mark.parametrize(("w", "k"), [(1, 1), (2, 1), (2, 2), (3, 1), (3, 2), (3, 3)])
+def test_window_sensitivity_is_the_exhaustive_maximum(w: int, k: int) -> None:
+    # Every pair of neighbouring corpora (two windows; one sequence removed in place) through the real
+    # counting code: the derived (L2^2, L-inf, one-sided words) is exactly the maximum. w = 4 was also
+    # checked this way (minutes): (2,1,1), (10,2,3), (13,2,4), (12,2,4) for k = 1..4.
+    assert _brute_force(w, k) == window_sequence_sensitivity(w, k)
+
+
+def test_one_sequence_across_two_windows_attains_the_bound_and_the_noise_is_calibrated_to_it() -> None:
+    # w = k = 14 (tiny_dp_vocab.yaml): window i ends with the sequence's first 7 words a0..a6, window
+    # i + 1 begins with a0..a6 again; removing the sequence in place leaves one cut string "z" at both
+    # ends. Each a_j moves by 2 and z by 2: ||d||^2 = 7 * 4 + 4 = 32 (not 14), |d| <= 2.
+    a, q = [f"a{i}" for i in range(7)], [f"q{i}" for i in range(7)]
+    with_sequence = ["p"] * 7 + a + a + q
+    without = ["p"] * 7 + ["z"] + [None] * 12 + ["z"] + q
+    before, after = _window_counts(with_sequence, 14, 14), _window_counts(without, 14, 14)
+    d = np.array([before[t] - after[t] for t in set(before) | set(after)], dtype=float)
+    assert (float(d @ d), float(np.abs(d).max())) == (32.0, 2.0)
+    assert window_sequence_sensitivity(14, 14) == (32, 2, 14)
+
+    event = calibrate_vocabulary(
+        epsilon=2.0,
+        delta=1e-6,
+        selection_delta=1e-7,
+        words_per_unit=14,
+        unit="one example sequence",
+        relation="sequence_in_windows",
+        window=14,
+        accountant="pld",
+    )
+    norm = float(np.linalg.norm(d))
+    assert event.l2_sensitivity == pytest.approx(norm, rel=1e-12) and event.linf_sensitivity == 2
+    # The Gaussian of std noise_stddev on a query of sensitivity ||d|| is GaussianDpEvent(std / ||d||):
+    # its epsilon (dp_accounting, PLD) is the event's share.
+    acc = pld_privacy_accountant.PLDAccountant(value_discretization_interval=1e-4)
+    acc.compose(dp_accounting.GaussianDpEvent(event.noise_stddev / norm))
+    assert acc.get_epsilon(1e-6) == pytest.approx(event.epsilon_share, rel=1e-9)
+
+    # Independently, the exact delta of the Gaussian mechanism (Balle and Wang 2018) at that epsilon is at
+    # most 1e-6 (PLD is pessimistic, and close); at the old noise (std sigma * sqrt(14)) it is far above.
+    def gaussian_delta(std: float, eps: float) -> float:
+        r = norm / std
+        return NormalDist().cdf(r / 2 - eps / r) - math.exp(eps) * NormalDist().cdf(-r / 2 - eps / r)
+
+    assert 0.5e-6 < gaussian_delta(event.noise_stddev, event.epsilon_share) <= 1e-6
+    assert gaussian_delta(event.noise_multiplier * math.sqrt(14), event.epsilon_share) > 1e-4
+
+
+def test_a_sequence_of_a_counted_document_changes_its_k_words_for_others() -> None:
+    # vocab_unit: document under privacy.unit: sequence: a sequence lies in one document (packing never
+    # spans two) and can swap the document's first k words for k others: sqrt(2k), L-inf 1.
+    event = dp_vocabulary_event(load_recipe(DP_VOCAB_RECIPE, ["data.vocab_unit=document"]))
+    k = event.words_per_unit
+    assert (event.relation, event.unit, event.window, event.linf_sensitivity) == (
+        "sequence_in_document",
+        "one example sequence",
+        None,
+        1,
+    )
+    assert event.l2_sensitivity == pytest.approx(math.sqrt(2 * k))
+    a, q = [f"a{i}" for i in range(k)], [f"q{i}" for i in range(k)]
+    before = bounded_word_counts([a + q], k)[0]
+    after = bounded_word_counts([q], k)[0]  # the sequence holding a0..a13 removed
+    d = np.array([before[t] - after[t] for t in set(before) | set(after)], dtype=float)
+    assert float(d @ d) == 2 * k
+    # Under document-level DP a document is added or removed whole: sqrt(k), the ledger's own unit.
+    doc = dp_vocabulary_event(
+        load_recipe(DP_VOCAB_RECIPE, ["privacy.unit=document", "privacy.max_sequences_per_document=16"])
+    )
+    assert (doc.relation, doc.unit, doc.l2_sensitivity) == ("add_or_remove_unit", "one document", math.sqrt(k))
+
+
+def test_the_ledger_states_one_unit_and_refuses_a_total_delta_not_below_one_over_n() -> None:
+    ledger = make_plan(load_recipe(DP_VOCAB_RECIPE), 175_000, dataset_size_source="declared").ledger
+    assert ledger.vocabulary.unit == ledger.privacy_unit == "one example sequence"
+    assert ledger.total_delta() == pytest.approx(1e-6 + 1e-7 + ledger.truncation_delta(), rel=1e-12)
+    assert ledger.check_total_delta() < 1 / 175_000
+    # A ledger whose vocabulary counted windows as their own unit (written before the relation was
+    # recorded) reads, and is refused by the budget check.
+    old = {**ledger.to_dict(), "vocabulary": {**ledger.to_dict()["vocabulary"], "unit": "one window of 14 words"}}
+    del old["vocabulary"]["relation"], old["vocabulary"]["window"]
+    legacy = PrivacyLedger.from_dict(old)
+    assert legacy.vocabulary.l2_sensitivity == math.sqrt(14)
+    with pytest.raises(
+        ValueError, match=r"vocabulary\.unit 'one window of 14 words' .* is not the ledger's privacy_unit"
+    ):
+        legacy.check_budget()
+    # delta 5.65e-6 < 1/N = 5.71e-6, but with vocab_delta 1e-7 the total is not.
+    close = dataclasses.replace(ledger, delta=5.65e-6)
+    with pytest.raises(
+        ValueError,
+        match=r"total delta 5\.75.*privacy\.delta 5\.65e-06 \+ truncation .* data\.vocab_delta 1e-07 .* not below 1/N = 1/175000",
+    ):
+        close.check_total_delta()
+    dataclasses.replace(close, vocabulary=None).check_total_delta()
+    with pytest.raises(ValueError, match=r"total delta .* not below 1/N = 1/175000"):
+        make_plan(load_recipe(DP_VOCAB_RECIPE, ["privacy.delta=5.65e-6"]), 175_000, dataset_size_source="declared")
 
 
 # ---- bad input
@@ -255,15 +422,19 @@ def test_a_tiny_run_releases_one_guarantee_that_verify_recomputes(tmp_path: Path
     result = pretrain(recipe_path, run, progress=False, log=lambda s: None)
     ledger = json.loads((run / "privacy.json").read_text())
     v = ledger["vocabulary"]
-    assert v["unit"] == "one window of 30 words" and v["words_per_unit"] == 30
+    assert v["unit"] == ledger["privacy_unit"] == "one example sequence" and v["words_per_unit"] == 30
+    assert (v["relation"], v["window"]) == ("sequence_in_windows", 30)
     # The epsilon of the release is the composition, above training's alone.
     composed = PrivacyLedger.from_dict(ledger).epsilon()
     training = PrivacyLedger.from_dict({k: val for k, val in ledger.items() if k != "vocabulary"}).epsilon()
     assert result.epsilon == pytest.approx(composed, rel=1e-9) and composed > training + 1.0
     manifest = json.loads((tmp_path / "store" / "manifest.json").read_text())
     assert (
-        manifest["vocab_origin"].startswith("DP WordPiece learned from") and manifest["vocab_covered_by_dp_guarantee"]
+        manifest["vocab_origin"].startswith("DP WordPiece learned from the run's private training corpus")
+        and manifest["vocab_covered_by_dp_guarantee"]
+        and manifest["vocab_origin_kind"] == "dp"
     )
+    assert str(tmp_path) not in manifest["vocab_origin"] + manifest["tokenizer_source"]
     release = run / "release"
     check = verify_folder(release)
     assert check.ok and check.checks[0].rebuilt, check.summary()
@@ -274,7 +445,7 @@ def test_a_tiny_run_releases_one_guarantee_that_verify_recomputes(tmp_path: Path
         "scope": "pretraining",
         "epsilon_share": pytest.approx(v["epsilon_share"]),
         "selection_delta": 1e-4,
-        "unit": "one window of 30 words",
+        "unit": "one example sequence",
     }
     assert front["guarantees"][0]["vocabulary_selection_delta"] == 1e-4
     assert "differential-privacy" in read_front_matter(release / "README.md")["tags"]

@@ -216,24 +216,41 @@ def make_plan(
 
 def dp_vocabulary_window(recipe: Recipe) -> int | None:
     """Words per counted unit of a DP vocabulary: None when the unit is a whole document, else
-    seq_len - 2 (a training sequence holds at most that many words: [CLS], [SEP], >= 1 token a word)."""
+    seq_len - 2 (a training sequence holds at most that many words: [CLS], [SEP], >= 1 token a word).
+    The windows are counted from each document's start (the vocabulary is learned before the text is
+    tokenized), so a training sequence can meet two of them: `dp_vocabulary_event` accounts for that."""
     unit = recipe.data.vocab_unit or recipe.privacy.unit
     return None if unit == "document" else recipe.data.seq_len - 2
 
 
 def dp_vocabulary_event(recipe: Recipe) -> VocabularyEvent | None:
     """The ledger event of the recipe's DP vocabulary (None unless `data.tokenizer: dp`): a Gaussian
-    calibrated to `data.vocab_epsilon` alone at `privacy.delta`; a function of the recipe only."""
+    calibrated to `data.vocab_epsilon` alone at `privacy.delta`; a function of the recipe only.
+
+    Its unit is the ledger's (`privacy.unit`), so the composed epsilon is for one unit:
+    - document-level DP (documents counted): one document added or removed, L2 sqrt(k);
+    - sequence-level DP, documents counted (`vocab_unit: document`): a sequence lies in one document
+      (packing never spans two), and changes its k words for others: L2 sqrt(2k);
+    - sequence-level DP, windows counted: a sequence can meet two windows: L2 from
+      `dpbert.privacy.accounting.window_sequence_sensitivity` (sqrt(2k + 4) for k = w even)."""
     d = recipe.data
     if d.tokenizer != "dp":
         return None
     window = dp_vocabulary_window(recipe)
     k = d.vocab_words_per_unit or d.seq_len - 2
+    if recipe.privacy.unit == "document":
+        if window is not None:  # the recipe refuses this (data.vocab_unit); never a window per document
+            raise ValueError("data.vocab_unit: 'sequence' windows cannot be accounted for privacy.unit 'document'")
+        relation, unit = "add_or_remove_unit", DOCUMENT_UNIT
+    else:
+        relation, unit = ("sequence_in_document" if window is None else "sequence_in_windows"), PRIVACY_UNIT
     return calibrate_vocabulary(
         epsilon=d.vocab_epsilon,
         delta=recipe.privacy.delta,
         selection_delta=d.vocab_delta,
         words_per_unit=k if window is None else min(k, window),
-        unit=DOCUMENT_UNIT if window is None else f"one window of {window} words",
+        unit=unit,
         accountant=recipe.privacy.accountant,
+        relation=relation,
+        window=window,
     )

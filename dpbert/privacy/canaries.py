@@ -52,7 +52,10 @@ class GradientCanaryConfig:
     `schedule` is what runs (its noise multipliers, unless `target_epsilon` is set: then one
     noise multiplier for all stages is calibrated to it for the realized dataset size, as a
     recipe with `target_epsilon` does). `num_other_examples` zero-gradient examples stand
-    for the rest of the training set (they set the sampling rate q = B / N).
+    for the rest of the training set. `dataset_size`: the public N of q = B/N (default: every
+    stored row, others plus included canaries); every stored row is sampled at q, and the
+    truncation is accounted for `dataset_size_bound` (default: max(N, stored rows)). An audit of
+    a release passes the release's N, so that it audits the release's q and sigma.
     """
 
     schedule: BatchSchedule
@@ -66,6 +69,8 @@ class GradientCanaryConfig:
     target_epsilon: float | None = None
     accountant: str = "pld"
     confidence: float = 0.95
+    dataset_size: int | None = None
+    dataset_size_bound: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.schedule, BatchSchedule):
@@ -129,7 +134,9 @@ def run_gradient_canary_audit(config: GradientCanaryConfig) -> CanaryAuditResult
     run_key, canary_key = audit_keys(c.secret, "gradient")
     included = canary_inclusion(canary_key, c.num_canaries)
     canary_ids = np.flatnonzero(included).astype(np.int32)
-    n = c.num_other_examples + canary_ids.size
+    stored = c.num_other_examples + canary_ids.size
+    n = stored if c.dataset_size is None else c.dataset_size
+    bound = max(stored, n if c.dataset_size_bound is None else c.dataset_size_bound)
     for i, stage in enumerate(c.schedule.stages):
         if stage.expected_batch_size > n:
             raise ValueError(
@@ -141,7 +148,10 @@ def run_gradient_canary_audit(config: GradientCanaryConfig) -> CanaryAuditResult
         schedule = calibrate_noise_multiplier(
             schedule, dataset_size=n, target_epsilon=c.target_epsilon, delta=c.delta, accountant=c.accountant
         )
-    physical = [physical_batch_size(s.expected_batch_size, n, multiple=c.microbatch_size) for s in schedule.stages]
+    physical = [
+        physical_batch_size(s.expected_batch_size, n, multiple=c.microbatch_size, dataset_size_bound=bound)
+        for s in schedule.stages
+    ]
     ledger = PrivacyLedger.for_schedule(
         schedule,
         dataset_size=n,
@@ -150,6 +160,7 @@ def run_gradient_canary_audit(config: GradientCanaryConfig) -> CanaryAuditResult
         accountant=c.accountant,
         physical_batch_sizes=physical,
         target_epsilon=c.target_epsilon,
+        dataset_size_bound=bound if bound != n else None,
     )
     # Dataset rows: the other examples first, then the included canaries (order is irrelevant
     # to Poisson sampling).
@@ -177,7 +188,7 @@ def run_gradient_canary_audit(config: GradientCanaryConfig) -> CanaryAuditResult
         q = sampling_rate(stage.expected_batch_size, n)
         sigma = stage.noise_multiplier
         for _ in range(stage.steps):
-            sample = poisson_sample(run_key, t, n, stage.expected_batch_size, phys)
+            sample = poisson_sample(run_key, t, n, stage.expected_batch_size, phys, stored_units=stored)
             batch = {
                 "is_canary": jnp.asarray(is_canary[sample.indices]),
                 "canary": jnp.asarray(canary_of_row[sample.indices]),

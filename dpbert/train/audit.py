@@ -57,9 +57,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from dpbert.atomic import replace_dir, write_json
-from dpbert.config.plan import make_plan
+from dpbert.config.plan import plan_recipe
 from dpbert.config.recipe import Recipe, load_recipe
 from dpbert.data.store import MANIFEST, TOKENIZER_DIR, prepare_store, read_manifest
+from dpbert.data.tokenizer import resolve_tokenizer
 from dpbert.model import functional
 from dpbert.model.bert import BertForMaskedLM
 from dpbert.privacy.accounting import PrivacyLedger
@@ -204,7 +205,9 @@ def _base_store(recipe: Recipe, output_dir: Path) -> Path:
     prepare_store(
         base,
         corpus=d.corpus,
-        tokenizer=d.tokenizer,
+        tokenizer=resolve_tokenizer(
+            d.tokenizer, declared_public=d.tokenizer_declared_public, private=recipe.privacy.enabled
+        ),
         seq_len=d.seq_len,
         eval_fraction=d.eval_fraction,
         seed=d.split_seed,
@@ -279,8 +282,11 @@ def run_audit(
     included = canary_inclusion(canary_key, num_canaries)
 
     if kind == "gradient":
-        plan = make_plan(recipe, n_train + int(included.sum()))
+        # The release's plan: its public N, q and sigma; canaries are stored rows beside the others.
+        plan = plan_recipe(recipe, n_train)
         config = GradientCanaryConfig(
+            dataset_size=plan.ledger.dataset_size,
+            dataset_size_bound=plan.ledger.dataset_size_bound + num_canaries,
             schedule=plan.schedule,
             num_canaries=num_canaries,
             num_other_examples=n_train,
@@ -330,12 +336,16 @@ def run_audit(
             },
         )
         log(f"audit: {num_canaries} input canaries ({int(included.sum())} appended to the training set in {store})")
-        # Every row, canaries (appended last) included: N is declared, not rounded down past them.
-        size = f"privacy.dataset_size={n_train + int(included.sum())}"
+        # The release's public N, q and sigma; the bound on stored rows makes room for the canaries.
+        release_ledger = plan_recipe(recipe, n_train).ledger
+        size = [
+            f"privacy.dataset_size={release_ledger.dataset_size}",
+            f"privacy.dataset_size_bound={release_ledger.dataset_size_bound + num_canaries}",
+        ]
         run = pretrain(
             recipe_path,
             run_dir,
-            overrides=[*overrides, f"data.store={store}", size],
+            overrides=[*overrides, f"data.store={store}", *size],
             progress=progress,
             log=log,
             noise_seed_file=noise_seed_file,
