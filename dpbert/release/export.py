@@ -6,31 +6,41 @@ a tokenizer folder, the `ReleaseMetadata` (guarantees with their ledgers) and a 
 
     config.json          the model config plus `differential_privacy` (private flag, epsilon per guarantee)
     model.safetensors    the weights, loadable by transformers' BertForMaskedLM / pipeline("fill-mask")
-    tokenizer files      copied from the tokenizer folder (tokenizer.json, vocab.txt, ...)
-    privacy.json         the full ledgers, and the sha256 of every weight file (`weights`; see
-                         `dpbert.release.metadata`)
+    tokenizer files      copied from the tokenizer folder (tokenizer.json, vocab.txt, ..., and dpbert's
+                         vocabulary origin marker `dpbert_vocab_origin.json` when the folder has one)
+    privacy.json         the full ledgers, and the sha256 of every weight file (`weights`) and every
+                         tokenizer file (`tokenizer`); see `dpbert.release.metadata`
     README.md            the model card (see `dpbert.release.card`)
 
 Guarantees: the output folder appears whole or not at all. Everything is written into a hidden
 temporary sibling of `out`, which is renamed into place only after the last file is written; any
 error removes the temporary folder. With `overwrite=True` an existing `out` is swapped out by rename
 and deleted only after the new folder is in place. `privacy.json` records the sha256 of the weight
-files exactly as written. A model folder holding a run's noise secret (`noise_secret`) is refused:
-the secret never reaches a release.
+and tokenizer files exactly as written. A model folder holding a run's noise secret (`noise_secret`)
+is refused: the secret never reaches a release. No path of the machine that built it: the copied
+marker has its paths redacted, and a release whose files still hold an absolute path is refused.
 
 `export_run` reads a pretraining run folder: RUN_DIR/hf (weights and tokenizer), RUN_DIR/privacy.json
 (the ledger), RUN_DIR/randomness.json (where the noise secret came from: "os-csprng" or
 "supplied-file"; a private run without it is released with randomness "unknown", which `verify`
-rejects), RUN_DIR/recipe.yaml (the resolved recipe, published whole), the token store manifest
-(vocabulary origin; sequence length and sequences per document of the train split, for the unit) and
-RUN_DIR/metrics.jsonl (held-out evaluation; the data-dependent training figures are named but their
-values are left out unless `include_diagnostics=True`). The secret itself (RUN_DIR/checkpoints/
-noise_secret) is never read.
+rejects), RUN_DIR/recipe.yaml (the resolved recipe, published whole, its local paths redacted), the
+token store manifest (the data's description, the sequence length) and RUN_DIR/metrics.jsonl.
+Public figures only: N, its bound and a declared per-document cap come from the ledger, never a count
+of the store. The vocabulary's origin (`vocabulary.source`: packaged, declared, dp, train, or unknown)
+comes from the recipe's `data.tokenizer` and `data.tokenizer_declared_public`, the ledger's DP
+vocabulary event and dpbert's marker in the tokenizer folder. Held-out figures on the private
+corpus' held-out split (eval records without `eval_public: true`) stay in the run folder unless
+`include_private_metrics=True`; figures on a public evaluation corpus (`eval_public: true`, named by
+`eval_corpus`) are always released, labelled with that corpus, except the unigram baseline (the most
+frequent *training* token: private). The data-dependent training figures are named but their values
+are left out unless `include_diagnostics=True`. The secret itself (RUN_DIR/checkpoints/noise_secret)
+is never read.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import fnmatch
 import json
 import math
 import os
@@ -46,25 +56,31 @@ from dpbert.release.card import CARD_FILE, CardInfo, render_card
 from dpbert.release.metadata import (
     NEVER_RELEASED,
     PRIVACY_FILE,
+    TOKENIZER_FILES,
+    VOCAB_ORIGIN_FILE,
+    VOCABULARY_SOURCES,
+    WEIGHT_PATTERNS,
     Guarantee,
     ReleaseMetadata,
     count_parameters,
+    local_paths,
     noise_record,
+    packaged_vocabulary,
+    redact_data,
+    redact_paths,
+    tokenizer_hashes,
     unit_record,
     weight_hashes,
 )
 
-TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "vocab.txt",
-    "special_tokens_map.json",
-    "added_tokens.json",
-)
 _WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
 # Files a release writes itself; never copied from the model folder.
 _RELEASE_FILES = (CARD_FILE, PRIVACY_FILE)
 RANDOMNESS_FILE = "randomness.json"  # RUN_DIR/randomness.json: {"source": "os-csprng" | "supplied-file"}
+# Figures of an eval record computed with the private *training* data whatever the eval corpus: the
+# unigram baseline predicts the most frequent training token.
+PRIVATE_EVAL_FIGURES = ("eval_unigram_accuracy",)
+_EVAL_LABELS = ("eval_public", "eval_corpus")
 
 
 class SavesPretrained(Protocol):
@@ -103,6 +119,43 @@ def _copy_tokenizer(tokenizer_dir: Path | None, dest: Path) -> None:
         )
 
 
+def _redact_marker(folder: Path) -> None:
+    """dpbert's vocabulary origin marker in `folder`, its local paths redacted (it may name the
+    corpus folder the vocabulary was learned from)."""
+    marker = folder / VOCAB_ORIGIN_FILE
+    if not marker.is_file():
+        return
+    try:
+        record = json.loads(marker.read_text())
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError):
+        raise ValueError(
+            f"{VOCAB_ORIGIN_FILE}: not valid JSON; dpbert's vocabulary origin marker is unreadable"
+        ) from None
+    redacted = redact_data(record)
+    if redacted != record:
+        write_text(marker, json.dumps(redacted, indent=2) + "\n")
+
+
+def _is_weight_file(name: str) -> bool:
+    return any(fnmatch.fnmatch(name, pattern) for pattern in WEIGHT_PATTERNS)
+
+
+def release_local_paths(folder: str | os.PathLike[str]) -> dict[str, list[str]]:
+    """{file name: absolute paths it holds} for every text file of a release folder (weights skipped)."""
+    found: dict[str, list[str]] = {}
+    for path in sorted(Path(folder).iterdir()):
+        if not path.is_file() or _is_weight_file(path.name):
+            continue
+        try:
+            text = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError:
+            continue
+        paths = local_paths(text)
+        if paths:
+            found[path.name] = sorted(set(paths))
+    return found
+
+
 def write_release(
     out: str | os.PathLike[str],
     *,
@@ -111,8 +164,11 @@ def write_release(
     info: CardInfo,
     tokenizer_dir: str | os.PathLike[str] | None = None,
     overwrite: bool = False,
+    vocab_marker: str | os.PathLike[str] | None = None,
 ) -> Path:
-    """Write a release folder at `out` (atomically; see the module docstring) and return its path."""
+    """Write a release folder at `out` (atomically; see the module docstring) and return its path.
+    `vocab_marker`: dpbert's vocabulary origin marker file to copy (its paths redacted) when neither the
+    model folder nor the tokenizer folder holds one."""
     out = Path(out)
     if out.exists() and not overwrite:
         raise ValueError(f"{out}: already exists (pass overwrite=True / --overwrite to replace it)")
@@ -122,16 +178,26 @@ def write_release(
         leaked = [name for name in NEVER_RELEASED if (tmp / name).exists()]
         if leaked:
             raise ValueError(f"{leaked[0]}: a noise secret was written into the release; it must never be released")
+        if vocab_marker is not None and not (tmp / VOCAB_ORIGIN_FILE).exists() and Path(vocab_marker).is_file():
+            shutil.copy2(vocab_marker, tmp / VOCAB_ORIGIN_FILE)
+        _redact_marker(tmp)
         weights = weight_hashes(tmp)
         if not weights:
             raise FileNotFoundError(f"{out}: the model wrote no weight file (expected model.safetensors or shards)")
-        meta = dataclasses.replace(meta, weights=weights)
+        meta = dataclasses.replace(meta, weights=weights, tokenizer=tokenizer_hashes(tmp))
         config_path = tmp / "config.json"
         config = json.loads(config_path.read_text())
         config["differential_privacy"] = meta.config_copy()
         write_json(config_path, config)
         write_json(tmp / PRIVACY_FILE, meta.to_dict(), sort_keys=False)
         write_text(tmp / CARD_FILE, render_card(meta, info))
+        leaked_paths = release_local_paths(tmp)
+        if leaked_paths:
+            name, paths = next(iter(leaked_paths.items()))
+            raise ValueError(
+                f"{name}: holds the local path {paths[0]!r}; a release must not carry paths of the machine that "
+                "built it (redact it where it comes from)"
+            )
     return out
 
 
@@ -161,21 +227,113 @@ def _find_store(run_dir: Path, recipe: Mapping[str, Any], store: Path | None) ->
     return None
 
 
-def _vocabulary(manifest: Mapping[str, Any] | None) -> tuple[str, bool, bool | None]:
-    """(origin sentence, covered by the guarantee?, learned from the private corpus?) from a token
-    store manifest.
+def _read_marker(*folders: Path | None) -> tuple[dict[str, Any] | None, Path | None]:
+    """(dpbert's vocabulary origin marker, its file) of the first of `folders` that holds a readable one."""
+    for folder in folders:
+        if folder is None:
+            continue
+        path = Path(folder) / VOCAB_ORIGIN_FILE
+        try:
+            record = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError, UnicodeDecodeError):
+            continue
+        if isinstance(record, dict):
+            return record, path
+    return None, None
 
-    The manifest records `vocab_origin` ("public" or "trained on <corpus>"), the tokenizer's source
-    and `vocab_covered_by_dp_guarantee`; an unrecorded origin counts as not covered and unknown.
-    """
-    if manifest is None:
-        return "Its origin is not recorded (no token store manifest was found for this run)", False, None
-    origin = str(manifest.get("vocab_origin", "unknown"))
-    source = manifest.get("tokenizer_source")
-    covered = manifest.get("vocab_covered_by_dp_guarantee") is True
-    learned = True if origin.startswith("trained on") else False if origin == "public" else None
-    text = f"Vocabulary origin: {origin}" + (f" (tokenizer: {source})" if source else "")
-    return text, covered and learned is not True, learned
+
+def _marker_kind(record: Mapping[str, Any] | None) -> str:
+    """The vocabulary kind a marker (or a manifest: the same `vocab_origin`/`vocab_covered_by_dp_guarantee`
+    fields) records: "packaged", "train", "dp" or "unknown"."""
+    if record is None:
+        return "unknown"
+    for key in ("vocab_origin_kind", "source"):  # the kind dpbert.data.tokenizer.VocabularyOrigin records
+        if record.get(key) in VOCABULARY_SOURCES:
+            return str(record[key])
+    origin = str(record.get("vocab_origin") or "")
+    if origin == "public":
+        return "packaged"
+    if origin.startswith("trained on"):
+        return "train"
+    if record.get("vocab_covered_by_dp_guarantee") is True and origin:
+        return "dp"
+    return "unknown"
+
+
+def vocabulary_record(
+    recipe_data: Mapping[str, Any],
+    ledger: Mapping[str, Any] | None,
+    marker: Mapping[str, Any] | None,
+) -> tuple[str, bool, bool, str]:
+    """(origin sentence, covered by a guarantee?, learned from the private data?, kind) of a run's
+    vocabulary. The kind comes from the ledger (a DP vocabulary event: "dp"), else the recipe's
+    `data.tokenizer` ("train", "dp", a packaged name: "packaged"; a folder declared public with
+    `data.tokenizer_declared_public`: "declared"), else dpbert's marker in the tokenizer folder (or the
+    token store's record of it); nothing known is "unknown", treated as learned from the private data.
+    A marker that says the vocabulary was learned from the corpus overrides a public recipe name."""
+    spec = recipe_data.get("tokenizer")
+    declared = recipe_data.get("tokenizer_declared_public") is True
+    described = packaged_vocabulary(spec)
+    from_marker = _marker_kind(marker)
+    if ledger is not None and ledger.get("vocabulary") is not None:
+        kind = "dp"
+    elif spec in ("train", "dp"):
+        kind = str(spec)
+    elif from_marker == "train":
+        kind = "train"
+    elif described is not None:
+        kind = "packaged"
+    elif declared:
+        kind = "declared"
+    else:
+        kind = from_marker
+    if kind == "packaged":
+        origin = (
+            f"Vocabulary origin: public, packaged with dpbert ({spec}: {described})"
+            if described is not None
+            else "Vocabulary origin: public (a tokenizer folder whose dpbert marker records a vocabulary packaged with "
+            "dpbert)"
+        )
+        return origin, True, False, kind
+    if kind == "declared":
+        return (
+            "Vocabulary origin: a tokenizer folder declared public by the user (`data.tokenizer_declared_public: "
+            "true` in the recipe)",
+            True,
+            False,
+            kind,
+        )
+    if kind == "dp":
+        if ledger is not None and ledger.get("vocabulary") is not None:
+            return (
+                "Vocabulary origin: learned from the private training corpus under differential privacy "
+                "(`data.tokenizer: dp`), its event in the pretraining ledger",
+                True,
+                True,
+                kind,
+            )
+        return (
+            "Vocabulary origin: learned under differential privacy in a run whose ledger is not part of this "
+            "release, so NOT covered by this release's guarantee",
+            False,
+            True,
+            kind,
+        )
+    if kind == "train":
+        return (
+            "Vocabulary origin: a WordPiece learned from the private training corpus without privacy "
+            "(`data.tokenizer: train`)",
+            False,
+            True,
+            kind,
+        )
+    return (
+        "Vocabulary origin: not recorded (no dpbert marker, not declared public), so it is treated as learned from "
+        "the private corpus without privacy",
+        False,
+        True,
+        "unknown",
+    )
 
 
 def _randomness(run_dir: Path) -> dict[str, Any]:
@@ -212,6 +370,58 @@ def _diagnostics(train: list[dict[str, Any]]) -> tuple[tuple[str, ...], dict[str
     return names, {"records": len(rows), "mean": mean, "last": last}
 
 
+def _figures(record: Mapping[str, Any]) -> dict[str, Any]:
+    return {
+        k: v for k, v in record.items() if k.startswith("eval_") and k not in _EVAL_LABELS and _number(v) is not None
+    }
+
+
+def evaluation_record(
+    records: list[dict[str, Any]], *, include_private_metrics: bool
+) -> tuple[dict[str, Any] | None, dict[str, Any]]:
+    """(the release's `evaluation` entry, the figures it publishes) from the eval records of
+    metrics.jsonl. The last record on a public evaluation corpus (`eval_public: true`) is published,
+    labelled with its `eval_corpus`, without the unigram baseline unless asked; else the last record
+    on the private held-out split is named, and published only with `include_private_metrics`."""
+    evals = [r for r in records if r.get("kind") == "eval" and r.get("eval_mlm_accuracy") is not None]
+    public = [r for r in evals if r.get("eval_public") is True and r.get("eval_corpus")]
+    if public:
+        last = public[-1]
+        figures = _figures(last)
+        left_out = [k for k in PRIVATE_EVAL_FIGURES if k in figures and not include_private_metrics]
+        figures = {k: v for k, v in figures.items() if k not in left_out}
+        record = {
+            "corpus": redact_paths(str(last["eval_corpus"])),
+            "public": True,
+            "step": last.get("step"),
+            "included": True,
+            "values": figures,
+            "not_covered": [k for k in PRIVATE_EVAL_FIGURES if k in figures],
+        }
+        return record, figures
+    if not evals:
+        return None, {}
+    last = evals[-1]
+    figures = _figures(last)
+    record = {
+        "corpus": None,
+        "public": False,
+        "step": last.get("step"),
+        "included": include_private_metrics,
+        "values": figures if include_private_metrics else None,
+        "not_covered": sorted(figures),
+    }
+    return record, figures if include_private_metrics else {}
+
+
+def _published_recipe(text: str | None) -> str | None:
+    """The recipe as published: the run's recipe.yaml, with every local path (data.corpus, data.store,
+    a tokenizer folder) redacted; verbatim when it holds none."""
+    if text is None or not local_paths(text):
+        return text
+    return yaml.safe_dump(redact_data(yaml.safe_load(text) or {}), sort_keys=False)
+
+
 def export_run(
     run_dir: str | os.PathLike[str],
     out: str | os.PathLike[str],
@@ -222,6 +432,7 @@ def export_run(
     non_private: bool = False,
     overwrite: bool = False,
     include_diagnostics: bool = False,
+    include_private_metrics: bool = False,
 ) -> Path:
     """Export a finished pretraining run (RUN_DIR/hf + ledger + card) to the release folder `out`.
 
@@ -229,7 +440,10 @@ def export_run(
     releases it as explicitly non-private (epsilon = infinity). The tokenizer comes from RUN_DIR/hf when
     the trainer saved one there, else from `tokenizer`. `include_diagnostics=True` adds the values of
     the data-dependent training figures (labelled "Non-private diagnostics"); by default only their
-    names are published.
+    names are published. `include_private_metrics=True` adds the held-out figures computed on the
+    private corpus (card model-index, evaluation table, privacy.json `evaluation`), and the card's
+    privacy section then says they are not covered by the guarantee; by default they stay in the run
+    folder. Figures on a public evaluation corpus are always released.
     """
     run_dir = Path(run_dir)
     hf_dir = run_dir / "hf"
@@ -240,24 +454,24 @@ def export_run(
     recipe_path = run_dir / "recipe.yaml"
     recipe_text = recipe_path.read_text() if recipe_path.is_file() else None
     recipe = (yaml.safe_load(recipe_text) or {}) if recipe_text else {}
+    recipe_data = recipe.get("data") or {}
     store_dir = _find_store(run_dir, recipe, None if store is None else Path(store))
     manifest = json.loads((store_dir / "manifest.json").read_text()) if store_dir is not None else None
 
-    data = (manifest or {}).get("source") or (recipe.get("data") or {}).get("corpus") or "the training corpus"
-    data_desc = str(data)
+    data = (manifest or {}).get("source") or recipe_data.get("corpus") or "the training corpus"
+    data_desc = redact_paths(str(data))
     ledger_path = run_dir / PRIVACY_FILE
+    ledger = None
     if ledger_path.is_file():
         ledger = json.loads(ledger_path.read_text())
-        seq_len = (manifest or {}).get("seq_len") or (recipe.get("data") or {}).get("seq_len")
+        seq_len = (manifest or {}).get("seq_len") or recipe_data.get("seq_len")
         guarantee = Guarantee.from_ledger(
             scope="pretraining",
             data=data_desc,
             ledger=ledger,
             randomness=_randomness(run_dir),
             noise=noise_record(ledger, coordinates=count_parameters(hf_dir)),
-            unit=unit_record(
-                sequence_tokens=seq_len, split=((manifest or {}).get("splits") or {}).get("train"), ledger=ledger
-            ),
+            unit=unit_record(sequence_tokens=seq_len, ledger=ledger),
         )
     elif non_private:
         guarantee = Guarantee.non_private(scope="pretraining", data=data_desc)
@@ -268,22 +482,37 @@ def export_run(
         )
 
     records = _read_jsonl(run_dir / "metrics.jsonl") if (run_dir / "metrics.jsonl").is_file() else []
-    evals = [r for r in records if r.get("kind") == "eval" and r.get("eval_mlm_accuracy") is not None]
-    last_eval = evals[-1] if evals else {}
+    evaluation, figures = evaluation_record(records, include_private_metrics=include_private_metrics)
     diagnostic_names, diagnostic_values = _diagnostics([r for r in records if r.get("kind") == "train"])
 
-    vocab_origin, vocab_covered, vocab_learned = _vocabulary(manifest)
+    has_tokenizer = any((hf_dir / name).is_file() for name in ("tokenizer.json", "vocab.txt"))
+    if tokenizer is None and not has_tokenizer and store_dir is not None and (store_dir / "tokenizer").is_dir():
+        tokenizer = store_dir / "tokenizer"  # where the token store saves the tokenizer it used
+    marker, marker_file = _read_marker(
+        Path(tokenizer) if tokenizer is not None else hf_dir,
+        None if store_dir is None else store_dir / "tokenizer",
+    )
+    if marker is None and manifest is not None and "vocab_origin" in manifest:
+        marker = {k: manifest.get(k) for k in ("vocab_origin", "vocab_origin_kind", "vocab_covered_by_dp_guarantee")}
+    vocab_origin, vocab_covered, vocab_learned, vocab_kind = vocabulary_record(recipe_data, ledger, marker)
     meta = ReleaseMetadata(
         guarantees=(guarantee,),
         vocabulary_origin=vocab_origin,
         vocabulary_covered=vocab_covered,
         vocabulary_learned_from_private_data=vocab_learned,
+        vocabulary_kind=vocab_kind,
         recipe_name=recipe_path.name if recipe_text is not None else None,
-        recipe_content=recipe_text,
+        recipe_content=_published_recipe(recipe_text),
         non_private_diagnostics=diagnostic_names,
         diagnostics=diagnostic_values if include_diagnostics else None,
+        evaluation=evaluation,
     )
     config = json.loads((hf_dir / "config.json").read_text())
+    step = "" if evaluation is None or evaluation.get("step") is None else f", step {evaluation['step']}"
+    if evaluation is not None and evaluation["public"]:
+        eval_dataset = f"{evaluation['corpus']} (public evaluation corpus){step}"
+    else:
+        eval_dataset = f"held-out split of {data_desc}{step}; private data, not covered by the guarantee"
     info = CardInfo(
         model_name=repo_id.split("/")[-1] if repo_id else Path(out).name,
         repo_id=repo_id,
@@ -293,11 +522,16 @@ def export_run(
             f"up to {config.get('max_position_embeddings')} positions."
         ),
         reproduce_command="dpbert pretrain recipe.yaml --output-dir RUN_DIR\ndpbert export RUN_DIR OUT",
-        mlm_accuracy=last_eval.get("eval_mlm_accuracy"),
-        eval_dataset=f"held-out split of {data}" + (f", step {last_eval['step']}" if "step" in last_eval else ""),
-        eval_metrics={k: v for k, v in last_eval.items() if k.startswith("eval_") and k != "eval_mlm_accuracy"},
+        mlm_accuracy=figures.get("eval_mlm_accuracy"),
+        eval_dataset=eval_dataset,
+        eval_metrics={k: v for k, v in figures.items() if k != "eval_mlm_accuracy"},
     )
-    has_tokenizer = any((hf_dir / name).is_file() for name in ("tokenizer.json", "vocab.txt"))
-    if tokenizer is None and not has_tokenizer and store_dir is not None and (store_dir / "tokenizer").is_dir():
-        tokenizer = store_dir / "tokenizer"  # where the token store saves the tokenizer it used
-    return write_release(out, model=hf_dir, meta=meta, info=info, tokenizer_dir=tokenizer, overwrite=overwrite)
+    return write_release(
+        out,
+        model=hf_dir,
+        meta=meta,
+        info=info,
+        tokenizer_dir=tokenizer,
+        overwrite=overwrite,
+        vocab_marker=marker_file,
+    )

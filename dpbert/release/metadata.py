@@ -3,19 +3,23 @@
 A release carries one or more *guarantees*, each for its own data: a pretrained checkpoint has one
 ("pretraining"), a model fine-tuned from it can add a second ("fine-tuning (TASK)") for the task data.
 Each guarantee holds the full privacy ledger of the run that consumed that data (the
-`PrivacyLedger.to_dict()` of `dpbert.privacy.accounting`: accountant, delta, dataset size N and where
-that public number came from, clip norm, Poisson sampling, privacy unit = one example sequence or one
-document (then with `max_sequences_per_document`, and N counts documents), and per
-stage the sampling rate, expected batch size, noise multiplier, physical batch size and steps), so anyone
-can recompute epsilon from it. A guarantee without a ledger is a non-private use of that data: epsilon is
-infinity, and the release as a whole is private only if every guarantee is.
+`PrivacyLedger.to_dict()` of `dpbert.privacy.accounting`: accountant, delta, the public dataset size N
+and where it came from, the public upper bound on the stored units when the ledger has one, clip norm,
+Poisson sampling, privacy unit = one example sequence or one document (then with the declared
+`max_sequences_per_document`, and N counts documents), and per stage the sampling rate, expected batch
+size, noise multiplier, physical batch size and steps), so anyone can recompute epsilon from it. A
+guarantee without a ledger is a non-private use of that data: epsilon is infinity, and the release as
+a whole is private only if every guarantee is.
 
 Besides its ledger, a guarantee states where the randomness of its DP mechanism came from
 (`randomness.source`: "os-csprng", a secret drawn from the operating system and never released, or
 "supplied-file", a secret an auditor supplied; anything else is unknown and voids the guarantee), how
 exact its Gaussian noise is (`noise`: the sampler and the bound on its deviation from the exact
-Gaussian over the run, filled in by `noise_record`), and what its unit means for this corpus (`unit`:
-sequence length and how many sequences a document contributes, at most and on average).
+Gaussian over the run, filled in by `noise_record`), and what its unit means (`unit`, `unit_record`):
+public figures only (the sequence length; the declared cap on sequences per document of a
+document-level ledger; for a sequence-level ledger, the epsilon that group privacy gives a document
+of 2, 8, 32 and 128 sequences). No count of the private data (documents, sequences per document,
+stored sequences) is ever part of a release.
 
 `privacy.json` (format "dpbert-privacy/1"):
 
@@ -25,15 +29,19 @@ sequence length and how many sequences a document contributes, at most and on av
                      "randomness": {"source": str} | null,
                      "noise": {"sampler": str, "max_abs_z": float | null, "coordinates": int | null,
                                "tail_bound": float | null} | null,
-                     "unit": {"sequence_tokens": int | null, "documents": int | null,
-                              "max_sequences_per_document": int | null,
-                              "mean_sequences_per_document": float | null,
-                              "document_group_epsilon": float | "inf" (sequence-level only)} | null}],
+                     "unit": {"sequence_tokens": int | null,
+                              "max_sequences_per_document": int (document-level only: the declared cap),
+                              "group_epsilon": [{"sequences": int, "epsilon": float | "inf"}, ...]
+                                               (sequence-level only)} | null}],
      "recipe": {"name": str, "sha256": str, "content": str} | null,
      "weights": {FILE: sha256, ...},
-     "vocabulary": {"origin": str, "covered": bool, "learned_from_private_data": bool | null},
+     "tokenizer": {FILE: sha256, ...},
+     "vocabulary": {"origin": str, "covered": bool, "learned_from_private_data": bool,
+                    "source": "packaged" | "declared" | "dp" | "train" | "unknown"},
      "public_inputs": [{"input": str, "scope": str (some), "value": ..., "source": str}, ...],
-     "non_private_diagnostics": {"logged": [str, ...], "included": bool, "values": {...} | null}}
+     "non_private_diagnostics": {"logged": [str, ...], "included": bool, "values": {...} | null},
+     "evaluation": {"corpus": str | null, "public": bool, "step": int | null, "included": bool,
+                    "values": {...} | null, "not_covered": [str, ...]} | null}
 
 A ledger may hold a `vocabulary` event (a vocabulary learned from the guarantee's data under DP,
 `dpbert.privacy.accounting.VocabularyEvent`): the guarantee's epsilon then composes it with training,
@@ -41,13 +49,22 @@ its delta gains the event's `selection_delta`, and `vocabulary_copy`/`public_inp
 vocabulary came from the private corpus under that guarantee.
 
 `private` is true when every guarantee is private. A vocabulary learned from the private corpus
-without privacy (`learned_from_private_data: true`) is not covered by any guarantee: the release is
-then not private *with respect to its vocabulary*, and its card carries no differential-privacy tags.
-`public_inputs` is derived from the rest (`ReleaseMetadata.public_inputs`): it lists what the guarantee
-treats as public (each dataset size N and its source, the vocabulary, the recipe, each randomness
-source). `weights` holds the sha256 of every weight file of the release. Data-dependent figures of the
-training run (realized batch sizes, clipped fraction, loss, examples/s) are left out unless an export
-asks for them (`values`), and are never covered by a guarantee.
+without privacy (`learned_from_private_data: true`, `source: train`) is not covered by any guarantee:
+the release is then not private *with respect to its vocabulary*, and its card carries no
+differential-privacy tags. A vocabulary learned under DP (`source: dp`) is learned from the private
+data too, and covered by the guarantee whose ledger holds its event. `public_inputs` is derived from
+the rest (`ReleaseMetadata.public_inputs`): it lists what the guarantee treats as public (each dataset
+size N and its source, the bound on stored units, a declared per-document cap, the vocabulary, the
+recipe, each randomness source). `weights` and `tokenizer` hold the sha256 of every weight file and
+tokenizer file of the release. Data-dependent figures of the training run (realized batch sizes,
+clipped fraction, loss, examples/s) are left out unless an export asks for them (`values`), and are
+never covered by a guarantee; so are evaluation figures computed on the private corpus' held-out
+split (`evaluation`: named, with their values only when the export asked for them), while figures
+on a public evaluation corpus are always released, labelled with that corpus.
+
+No path of the machine that built a release goes into it: `local_paths` finds one in a text,
+`redact_paths` replaces each by `<local path: NAME>`, and `dpbert.release.export.write_release` refuses
+a release whose files still hold one.
 
 JSON has no infinity, so an infinite epsilon is written as the string "inf" (YAML writes `.inf`).
 """
@@ -58,16 +75,19 @@ import dataclasses
 import fnmatch
 import functools
 import hashlib
+import importlib
+import inspect
 import json
 import math
 import os
+import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import dpbert
-from dpbert.privacy import noise
-from dpbert.privacy.accounting import PrivacyLedger, group_epsilon
+from dpbert.privacy import accounting, noise
+from dpbert.privacy.accounting import PrivacyLedger
 
 FORMAT = "dpbert-privacy/1"
 PRIVACY_FILE = "privacy.json"
@@ -93,6 +113,29 @@ WEIGHT_PATTERNS = (
     "tf_model*.h5",
     "tf_model.h5.index.json",
 )
+# Tokenizer files of a Hugging Face folder, copied into a release and hashed into privacy.json,
+# with dpbert's vocabulary origin marker (`dpbert.data.tokenizer.VOCAB_ORIGIN_FILE`).
+VOCAB_ORIGIN_FILE = "dpbert_vocab_origin.json"
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "vocab.txt",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    VOCAB_ORIGIN_FILE,
+)
+# Where a release's vocabulary came from (`vocabulary.source`): a vocabulary packaged with dpbert (or
+# a folder dpbert marked as one), a folder the user declared public in the recipe
+# (`data.tokenizer_declared_public`), one learned from the private corpus under DP (`data.tokenizer:
+# dp`, in the ledger) or without privacy (`data.tokenizer: train`); "unknown" when nothing records it
+# (treated as learned from the private corpus).
+VOCABULARY_SOURCES = ("packaged", "declared", "dp", "train", "unknown")
+# Group sizes (sequences of one document) whose group-privacy epsilon a sequence-level guarantee states:
+# public numbers, never the corpus' own document lengths.
+GROUP_SIZES = (2, 8, 32, 128)
+# Discretization for the group-privacy table when the accountant takes one (a pessimistic PLD on a
+# coarser grid: an upper bound on epsilon, about 25x faster than the calibration grid).
+GROUP_TABLE_DISCRETIZATION = 1e-1
 # Files of a run folder that must never reach a release (whoever holds the noise secret can
 # regenerate the noise and subtract it).
 NEVER_RELEASED = ("noise_secret",)
@@ -171,6 +214,74 @@ def weight_hashes(folder: str | os.PathLike[str]) -> dict[str, str]:
     return {name: sha256_file(Path(folder) / name) for name in weight_files(folder)}
 
 
+def tokenizer_hashes(folder: str | os.PathLike[str]) -> dict[str, str]:
+    """{file name: sha256} of every tokenizer file of `folder` (`TOKENIZER_FILES`, the vocabulary
+    origin marker included), and of any file that `dpbert.data.tokenizer.tokenizer_file_hashes`
+    hashes when that function exists."""
+    folder = Path(folder)
+    out: dict[str, str] = {}
+    try:
+        hashes = getattr(importlib.import_module("dpbert.data.tokenizer"), "tokenizer_file_hashes", None)
+    except ImportError:
+        hashes = None
+    if hashes is not None:
+        out.update({str(k): str(v) for k, v in hashes(folder).items()})
+    for name in TOKENIZER_FILES:
+        if name not in out and (folder / name).is_file():
+            out[name] = sha256_file(folder / name)
+    return dict(sorted(out.items()))
+
+
+def packaged_vocabulary(spec: Any) -> str | None:
+    """What a recipe's `data.tokenizer` names when it is a vocabulary packaged with dpbert ("public",
+    "bert-base-uncased", or a public subset such as "bert-base-uncased-8k"); None for anything else
+    ("train", "dp", a tokenizer folder)."""
+    if not isinstance(spec, str):
+        return None
+    if spec in ("public", "bert-base-uncased"):
+        return "bert-base-uncased's vocabulary"
+    from dpbert.data.tokenizer import public_subset_size  # deferred: it imports transformers
+
+    size = public_subset_size(spec)
+    return None if size is None else f"the first {size:,} tokens of bert-base-uncased's vocabulary"
+
+
+# ---- no machine path in a release
+
+# An absolute path of at least two components (POSIX, home-relative or Windows), not part of a URL
+# or of a relative path or a fraction such as B/N.
+_LOCAL_PATH = re.compile(
+    r"(?<![\w.:/\\-])(?:~|[A-Za-z]:)?[/\\](?![/\\])[\w.+@%~-]+(?:[/\\][\w.+@%~-]+)+[/\\]?"
+    r"|(?<![\w.:/\\-])(?:~|[A-Za-z]:)?[/\\](?![/\\])[\w.+@%~-]+[/\\]"
+)
+
+
+def local_paths(text: str) -> list[str]:
+    """Every absolute path (of at least two components, or ending in a separator) in `text`."""
+    return [m.group(0) for m in _LOCAL_PATH.finditer(text)]
+
+
+def redact_paths(text: str) -> str:
+    """`text` with every absolute path replaced by `<local path: NAME>` (NAME: its last component)."""
+
+    def name(match: re.Match[str]) -> str:
+        parts = [p for p in re.split(r"[/\\]", match.group(0)) if p and p != "~" and not p.endswith(":")]
+        return f"<local path: {parts[-1]}>" if parts else "<local path>"
+
+    return _LOCAL_PATH.sub(name, text)
+
+
+def redact_data(value: Any) -> Any:
+    """`value` (parsed YAML/JSON) with `redact_paths` applied to every string in it."""
+    if isinstance(value, str):
+        return redact_paths(value)
+    if isinstance(value, Mapping):
+        return {k: redact_data(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [redact_data(v) for v in value]
+    return value
+
+
 def count_parameters(folder: str | os.PathLike[str]) -> int | None:
     """Number of parameters stored in the safetensors files of `folder` (read from their headers
     only); None when the weights are not safetensors."""
@@ -213,32 +324,43 @@ def noise_record(ledger: Mapping[str, Any], *, coordinates: int | None) -> dict[
     }
 
 
-def unit_record(
-    *, sequence_tokens: int | None, split: Mapping[str, Any] | None, ledger: Mapping[str, Any] | None = None
-) -> dict[str, Any]:
-    """The `unit` of a pretraining guarantee from the token store's train split (manifest
-    `splits.train`): sequence length, documents, and sequences per document (None where the
-    store predates the counts). With a sequence-level `ledger` and a known largest document,
-    also `document_group_epsilon`: the epsilon, at the ledger's delta, that group privacy gives
-    a whole document of the largest size (`dpbert.privacy.accounting.group_epsilon`, computed by
-    dp_accounting; "inf" when it gives no epsilon below 100, i.e. no meaningful guarantee)."""
-    split = split or {}
-    out = {
-        "sequence_tokens": sequence_tokens,
-        "documents": split.get("num_documents"),
-        "max_sequences_per_document": split.get("max_sequences_per_document"),
-        "mean_sequences_per_document": split.get("mean_sequences_per_document"),
-    }
-    most = out["max_sequences_per_document"]
-    if ledger is not None and ledger.get("privacy_unit", PRIVACY_UNIT) == PRIVACY_UNIT and most:
-        out["document_group_epsilon"] = epsilon_to_json(document_group_epsilon(ledger, int(most)))
+def unit_record(*, sequence_tokens: int | None, ledger: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The `unit` of a pretraining guarantee, public figures only: the sequence length; for a
+    document-level `ledger` the declared cap on sequences per document (a longer document contributes
+    at most that many per step); for a sequence-level `ledger`, `group_epsilon` (`group_epsilon_table`):
+    the epsilon group privacy gives a document of each of `GROUP_SIZES` sequences. How many documents
+    the corpus holds and how long they are are counts of the private data: never recorded here."""
+    out: dict[str, Any] = {"sequence_tokens": sequence_tokens}
+    if ledger is None:
+        return out
+    if ledger.get("privacy_unit", PRIVACY_UNIT) == DOCUMENT_UNIT:
+        out["max_sequences_per_document"] = ledger.get("max_sequences_per_document")
+    else:
+        out["group_epsilon"] = group_epsilon_table(ledger)
     return out
 
 
-@functools.lru_cache(maxsize=32)
-def _group_epsilon(ledger_json: str, group_size: int) -> float:
+def group_epsilon_table(ledger: Mapping[str, Any], sizes: Sequence[int] | None = None) -> list[dict[str, Any]]:
+    """[{"sequences": k, "epsilon": e}] for k in `sizes` (default `GROUP_SIZES`): the epsilon, at the
+    ledger's delta, that group privacy gives k sequences of one document (`document_group_epsilon`,
+    computed by dp_accounting; "inf" when it gives no epsilon below 100). Epsilon grows with the
+    group, so the sizes after the first "inf" are "inf" without being computed."""
+    out: list[dict[str, Any]] = []
+    infinite = False
+    for k in GROUP_SIZES if sizes is None else sizes:
+        eps = math.inf if infinite else document_group_epsilon(ledger, int(k))
+        infinite = infinite or math.isinf(eps)
+        out.append({"sequences": int(k), "epsilon": epsilon_to_json(eps)})
+    return out
 
-    return group_epsilon(PrivacyLedger.from_dict(json.loads(ledger_json)), group_size)
+
+@functools.lru_cache(maxsize=64)
+def _group_epsilon(ledger_json: str, group_size: int) -> float:
+    ledger = PrivacyLedger.from_dict(json.loads(ledger_json))
+    compute = accounting.group_epsilon
+    if "discretization" in inspect.signature(compute).parameters:
+        return float(compute(ledger, group_size, discretization=GROUP_TABLE_DISCRETIZATION))
+    return float(compute(ledger, group_size))
 
 
 def document_group_epsilon(ledger: Mapping[str, Any], group_size: int) -> float:
@@ -376,6 +498,8 @@ class Guarantee:
                 dataset_size_source=self.dataset_size_source,
                 randomness=self.randomness_source,
             )
+            if self.ledger.get("dataset_size_bound") is not None:
+                out["dataset_size_bound"] = self.ledger["dataset_size_bound"]
             if self.truncation_delta > 0:
                 out["truncation_delta"] = self.truncation_delta
             if self.vocabulary is not None:
@@ -389,21 +513,28 @@ class ReleaseMetadata:
     """Everything `privacy.json` holds. `private` is true only if every guarantee is private.
 
     `vocabulary_learned_from_private_data`: True for a vocabulary learned from the private corpus
-    without privacy (`tokenizer: train`), False for a public one, None when unknown.
+    (without privacy, `tokenizer: train`, or under DP, `tokenizer: dp`, then covered by the guarantee
+    whose ledger holds its event), False for a public one (packaged with dpbert, or declared public by
+    the user); `vocabulary_kind` names which ("packaged", "declared", "dp", "train", "unknown": see
+    `VOCABULARY_SOURCES`). An export always states both; None is left to metadata written before them.
     `non_private_diagnostics` names the data-dependent figures the run logged; `diagnostics` holds
-    their values only when the export was asked to include them. `weights` ({file: sha256}) is
-    filled in by `write_release` from the files it writes.
+    their values only when the export was asked to include them. `evaluation` describes the held-out
+    figures (see the module docstring). `weights` and `tokenizer` ({file: sha256}) are filled in by
+    `write_release` from the files it writes.
     """
 
     guarantees: tuple[Guarantee, ...]
     vocabulary_origin: str
     vocabulary_covered: bool
     vocabulary_learned_from_private_data: bool | None = None
+    vocabulary_kind: str | None = None
     recipe_name: str | None = None
     recipe_content: str | None = None
     non_private_diagnostics: tuple[str, ...] = ()
     diagnostics: Mapping[str, Any] | None = None
+    evaluation: Mapping[str, Any] | None = None
     weights: Mapping[str, str] | None = None
+    tokenizer: Mapping[str, str] | None = None
     dpbert_version: str = dpbert.__version__
 
     def __post_init__(self) -> None:
@@ -414,7 +545,11 @@ class ReleaseMetadata:
             raise ValueError(f"ReleaseMetadata.guarantees: scopes must be distinct, got {scopes}")
         if not self.vocabulary_origin:
             raise ValueError("ReleaseMetadata.vocabulary_origin: expected where the vocabulary came from")
-        if self.vocabulary_learned_from_private_data is True and self.vocabulary_covered:
+        if self.vocabulary_kind is not None and self.vocabulary_kind not in VOCABULARY_SOURCES:
+            raise ValueError(
+                f"ReleaseMetadata.vocabulary_kind: expected one of {list(VOCABULARY_SOURCES)}, got {self.vocabulary_kind!r}"
+            )
+        if self.vocabulary_learned_from_private_data is True and self.vocabulary_covered and self.dp_vocabulary is None:
             raise ValueError(
                 "ReleaseMetadata.vocabulary_covered: a vocabulary learned from the private data without privacy "
                 "is not covered by the guarantee"
@@ -426,13 +561,14 @@ class ReleaseMetadata:
 
     @property
     def vocabulary_private(self) -> bool:
-        """False when the vocabulary was learned from the private corpus without privacy."""
-        return self.vocabulary_learned_from_private_data is not True
+        """False when the vocabulary was learned from the private corpus outside every guarantee
+        (without privacy, or under DP in a run whose ledger is not in this release)."""
+        return self.vocabulary_learned_from_private_data is not True or self.dp_vocabulary is not None
 
     @property
     def fully_private(self) -> bool:
-        """Every guarantee private, and no vocabulary learned from the private data: what the
-        differential-privacy tags of the card claim."""
+        """Every guarantee private, and no vocabulary learned from the private data outside them: what
+        the differential-privacy tags of the card claim."""
         return self.private and self.vocabulary_private
 
     @property
@@ -448,6 +584,10 @@ class ReleaseMetadata:
     def vocabulary_source(self) -> str:
         if self.dp_vocabulary is not None:
             return f"private corpus, under differential privacy (the {self.dp_vocabulary.scope} guarantee)"
+        if self.vocabulary_kind == "declared":
+            return "declared public by the user (data.tokenizer_declared_public)"
+        if self.vocabulary_kind == "unknown":
+            return "unknown origin, treated as learned from the private corpus"
         if self.vocabulary_learned_from_private_data is True:
             return "private corpus, without privacy"
         if self.vocabulary_learned_from_private_data is False:
@@ -458,20 +598,41 @@ class ReleaseMetadata:
         """What the guarantees treat as public, derived from the rest of the metadata."""
         items: list[dict[str, Any]] = []
         for g in self.guarantees:
-            if g.ledger is not None:
+            if g.ledger is None:
+                continue
+            items.append(
+                {
+                    "input": "dataset_size",
+                    "scope": g.scope,
+                    "value": g.ledger.get("dataset_size"),
+                    "source": g.dataset_size_source,
+                }
+            )
+            if g.ledger.get("dataset_size_bound") is not None:
                 items.append(
                     {
-                        "input": "dataset_size",
+                        "input": "dataset_size_bound",
                         "scope": g.scope,
-                        "value": g.ledger.get("dataset_size"),
-                        "source": g.dataset_size_source,
+                        "value": g.ledger["dataset_size_bound"],
+                        "source": "a public upper bound on the stored units, fixed without looking at the data; "
+                        "the truncation of the Poisson sample is accounted for a store of that size",
+                    }
+                )
+            if g.ledger.get("max_sequences_per_document") is not None:
+                items.append(
+                    {
+                        "input": "max_sequences_per_document",
+                        "scope": g.scope,
+                        "value": g.ledger["max_sequences_per_document"],
+                        "source": "declared in the recipe (privacy.max_sequences_per_document); a longer "
+                        "document contributes at most that many sequences per step",
                     }
                 )
         items.append({"input": "vocabulary", "value": self.vocabulary_origin, "source": self.vocabulary_source})
         items.append(
             {
                 "input": "recipe",
-                "value": self.recipe_name,
+                "value": self.recipe_name if self.recipe_content is not None else None,
                 "source": "recipe.content" if self.recipe_content is not None else "not included",
             }
         )
@@ -487,6 +648,16 @@ class ReleaseMetadata:
                 )
         return items
 
+    def _vocabulary_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "origin": self.vocabulary_origin,
+            "covered": self.vocabulary_covered,
+            "learned_from_private_data": self.vocabulary_learned_from_private_data,
+        }
+        if self.vocabulary_kind is not None:
+            out["source"] = self.vocabulary_kind
+        return out
+
     def to_dict(self) -> dict[str, Any]:
         recipe = None
         if self.recipe_content is not None:
@@ -498,27 +669,21 @@ class ReleaseMetadata:
             "guarantees": [g.to_dict() for g in self.guarantees],
             "recipe": recipe,
             "weights": None if self.weights is None else dict(self.weights),
-            "vocabulary": {
-                "origin": self.vocabulary_origin,
-                "covered": self.vocabulary_covered,
-                "learned_from_private_data": self.vocabulary_learned_from_private_data,
-            },
+            "tokenizer": None if self.tokenizer is None else dict(self.tokenizer),
+            "vocabulary": self._vocabulary_dict(),
             "public_inputs": self.public_inputs(),
             "non_private_diagnostics": {
                 "logged": list(self.non_private_diagnostics),
                 "included": self.diagnostics is not None,
                 "values": None if self.diagnostics is None else dict(self.diagnostics),
             },
+            "evaluation": None if self.evaluation is None else dict(self.evaluation),
         }
 
     def vocabulary_copy(self) -> dict[str, Any]:
         """The vocabulary entry of the card's `differential_privacy` block (with `dp`: the scope of the
         guarantee that covers a DP vocabulary, its epsilon share and selection delta)."""
-        out: dict[str, Any] = {
-            "origin": self.vocabulary_origin,
-            "covered": self.vocabulary_covered,
-            "learned_from_private_data": self.vocabulary_learned_from_private_data,
-        }
+        out = self._vocabulary_dict()
         g = self.dp_vocabulary
         if g is not None:
             out["dp"] = {
@@ -607,17 +772,29 @@ def metadata_from_json(data: Mapping[str, Any], where: str) -> ReleaseMetadata:
     weights = data.get("weights")
     if weights is not None and not isinstance(weights, Mapping):
         raise ValueError(f"{where}: weights: expected an object {{file: sha256}}, got {weights!r}")
+    tokenizer = data.get("tokenizer")
+    if tokenizer is not None and not isinstance(tokenizer, Mapping):
+        raise ValueError(f"{where}: tokenizer: expected an object {{file: sha256}}, got {tokenizer!r}")
+    evaluation = data.get("evaluation")
+    if evaluation is not None and not isinstance(evaluation, Mapping):
+        raise ValueError(f"{where}: evaluation: expected an object or null, got {evaluation!r}")
+    kind = vocabulary.get("source")
+    if kind is not None and kind not in VOCABULARY_SOURCES:
+        raise ValueError(f"{where}: vocabulary.source: expected one of {list(VOCABULARY_SOURCES)}, got {kind!r}")
     try:
         return ReleaseMetadata(
             guarantees=tuple(guarantees),
             vocabulary_origin=str(vocabulary.get("origin") or ""),
             vocabulary_covered=vocabulary.get("covered") is True,
             vocabulary_learned_from_private_data=learned,
+            vocabulary_kind=kind,
             recipe_name=None if recipe is None else recipe.get("name"),
             recipe_content=None if recipe is None else recipe["content"],
             non_private_diagnostics=tuple(str(name) for name in logged),
             diagnostics=None if values is None else dict(values),
+            evaluation=None if evaluation is None else dict(evaluation),
             weights=None if weights is None else dict(weights),
+            tokenizer=None if tokenizer is None else dict(tokenizer),
             dpbert_version=str(data.get("dpbert_version", dpbert.__version__)),
         )
     except ValueError as err:

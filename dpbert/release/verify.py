@@ -4,50 +4,66 @@
 
 1. **The ledgers are well formed** (`privacy.json`, each guarantee's `ledger`): a known accountant
    (pld, rdp), privacy unit (one example sequence, or one document with its `max_sequences_per_document`),
-   sampling (poisson) and neighbouring relation; at
-   least one stage, each of at least one step; an integer dataset size N >= 1 and delta < 1/N; a known
-   `dataset_size_source`.
+   sampling (poisson) and neighbouring relation; at least one stage, each of at least one step; an
+   integer dataset size N >= 1 and delta < 1/N; a known `dataset_size_source`, and a "rounded" N of
+   2 significant digits (any other N may be the exact private count); a `dataset_size_bound` >= N.
 2. **Epsilon is recomputed** from each ledger (stages of Poisson sampling rate, noise multiplier and
    steps, at the ledger's delta, with its accountant; `dpbert.release.metadata.recompute_epsilon`) and
    must equal, within `rtol`, the epsilon privacy.json states; the stated `private` flags must follow;
    a ledger must not spend more than its own `target_epsilon`, nor lose more than 1% of delta to
-   truncated Poisson samples (the trainer refuses both).
-3. **The ledger is rebuilt from the recipe** the release carries (`recipe.content`). A pretraining
-   guarantee: the recipe is parsed (`dpbert.config.recipe`) and its DP plan rebuilt by
-   `dpbert.config.plan.make_plan` for the ledger's N (the recipe's declared
-   `privacy.dataset_size`, else N rounded down to 2 significant digits, which is what the trainer
-   uses); calibration is deterministic, so every field (stages, expected and physical batch sizes,
-   sampling rates, noise multipliers, steps, delta, clip norm, accountant, target, N and its source)
-   must be equal, and a difference is named ("privacy.json: guarantees[0].ledger.stages[1]
-   .noise_multiplier: 1.23 in the ledger, 0.61 rebuilt from the recipe"); the unit's sequence length
-   must be the recipe's `data.seq_len`. A fine-tuning guarantee ("fine-tuning (TASK)"): the recipe is
-   the fine-tuning config and the ledger is rebuilt by `dpbert.config.finetune.plan_dp` for the ledger's
-   N. What cannot be rebuilt is reported in `VerificationResult.not_checked`, not failed: a release
-   without a recipe, and the pretraining guarantee a fine-tuned model inherits (its recipe is in the
-   source checkpoint's release, not in this one). A private guarantee of any other scope fails.
-4. **The recipe's sha256** equals the sha256 of its content.
-5. **The weights** are the ones published: privacy.json's `weights` records the sha256 of every weight
-   file (model.safetensors, or every shard and its index), and the folder holds exactly those files
-   with exactly those hashes. A folder holding a noise secret fails.
+   truncated Poisson samples (the trainer refuses both); the total delta (the ledger's, truncation,
+   a DP vocabulary's selection, the noise's tail bound when added) must stay below 1/N. The `unit`
+   states public figures only (no count of documents or sequences per document of the private data;
+   a document-level cap equal to the ledger's), and its group-privacy table is recomputed by
+   `dpbert.privacy.accounting.group_epsilon` for each stated size.
+3. **The ledger is rebuilt from the recipe** the release carries (`recipe.content`); a private release
+   without one fails ("privacy.json has no recipe: a private release must publish its recipe so that
+   the ledger can be rebuilt"). A pretraining guarantee: the recipe is parsed (`dpbert.config.recipe`)
+   and its DP plan rebuilt by `dpbert.config.plan.plan_recipe` for the ledger's N; calibration is
+   deterministic, so every field (stages, expected and physical batch sizes, sampling rates, noise
+   multipliers, steps, delta, clip norm, accountant, target, N, its source and bound) must be equal,
+   and a difference is named ("privacy.json: guarantees[0].ledger.stages[1].noise_multiplier: 1.23 in
+   the ledger, 0.61 rebuilt from the recipe"); the unit's sequence length must be the recipe's
+   `data.seq_len`. A fine-tuning guarantee ("fine-tuning (TASK)"): the recipe is the fine-tuning
+   config and the ledger is rebuilt by `dpbert.config.finetune.plan_dp` for the ledger's N. The
+   pretraining guarantee a fine-tuned model inherits is reported in `VerificationResult.not_checked`
+   (its recipe is in the source checkpoint's release). A private guarantee of any other scope fails.
+4. **The recipe's sha256** equals the sha256 of its content. **The vocabulary** agrees with the
+   pretraining recipe: `data.tokenizer: dp` says `learned_from_private_data: true`, source "dp", with
+   the event in the ledger; `train` says true (so no DP tags); a packaged name or a folder declared
+   public (`data.tokenizer_declared_public`) says false, with source "packaged" or "declared" (the
+   card then says "declared public"); never null. A public evaluation corpus is the recipe's
+   `data.eval_corpus`.
+5. **The weights and the tokenizer** are the ones published: privacy.json's `weights` and `tokenizer`
+   record the sha256 of every weight file (model.safetensors, or every shard and its index) and every
+   tokenizer file (dpbert's vocabulary origin marker included), and the folder holds exactly those
+   files with exactly those hashes. A folder holding a noise secret fails.
 6. **The randomness** of every private guarantee is recorded as a secret: "os-csprng" passes,
    "supplied-file" passes with a warning (whoever holds the file can regenerate the noise), anything
    else (missing, unknown) fails. The exact-Gaussian note (`noise`) is recomputed when the noise
    module can bound its sampler; an unbounded or missing note is reported in `not_checked`.
-7. **What is public is stated**: `public_inputs` equals what the rest of privacy.json implies (each N
-   and its source, the vocabulary, the recipe, each randomness source).
+7. **What is public is stated**: `public_inputs` equals what the rest of privacy.json implies (each N,
+   its source and bound, a declared per-document cap, the vocabulary, the recipe, each randomness source).
 8. **Every copy agrees**: the card's front matter (`README.md`: `differential_privacy.guarantees`,
    matched by scope) and `config.json`'s `differential_privacy` must carry the recomputed epsilon and
    every other field of the guarantee's summary (delta, accountant, privacy unit, sampling, N, its
-   source, randomness, truncation delta); the card's vocabulary entry and audits must equal
-   privacy.json's; the `private` flag must be "every guarantee is private" in all three files.
+   source and bound, randomness, truncation delta); the card's vocabulary entry and audits must equal
+   privacy.json's; the `private` flag must be "every guarantee is private" in all three files. The
+   card's body too: its guarantee sections (the claim and the privacy section, between
+   `<!-- dpbert:begin NAME -->` markers) are rendered again from privacy.json by the same templates
+   (`dpbert.release.card.render_section`) and must be the card's word for word (the first differing
+   line is named); so must its audit section; and no privacy claim (an epsilon, "differentially
+   private") may stand outside them.
 9. **Tags**: `differential-privacy`/`dp-sgd` on the card exactly when every guarantee is private and
-   the vocabulary was not learned from the private corpus without privacy; a release whose vocabulary
-   was (`vocabulary.learned_from_private_data`) carrying them fails.
+   the vocabulary was not learned from the private corpus outside them; a release whose vocabulary
+   was (`vocabulary.learned_from_private_data` without a DP event) carrying them fails.
 
 Missing metadata is a failure, named by file. Audited figures (empirical lower bounds,
 `dpbert.release.audited`) are not guarantees and are not recomputed. What `verify` cannot prove: that
-the weights were really produced by this recipe on this data with secret noise. It checks that the
-published claims are consistent, not how training ran (docs/THREAT_MODEL.md).
+the weights were really produced by this recipe on this data with secret noise, or that the declared
+numbers (N, the bound on stored units, the per-document cap, a declared-public tokenizer) are true of
+the data. It checks that the published claims are consistent, not how training ran
+(docs/THREAT_MODEL.md).
 """
 
 from __future__ import annotations
@@ -55,8 +71,10 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
+import itertools
 import json
 import math
+import re
 import tempfile
 from collections.abc import Mapping
 from pathlib import Path
@@ -65,7 +83,7 @@ from typing import Any
 import yaml
 
 from dpbert.config.finetune import load_config, plan_dp
-from dpbert.config.plan import make_plan
+from dpbert.config.plan import plan_recipe
 from dpbert.config.recipe import load_recipe_dict
 from dpbert.privacy.accounting import (
     ACCOUNTANTS,
@@ -76,19 +94,34 @@ from dpbert.privacy.accounting import (
     SAMPLING,
     round_down_significant,
 )
-from dpbert.release.card import CARD_FILE, DP_TAGS, read_front_matter
+from dpbert.release.card import (
+    AUDIT_BEGIN,
+    AUDIT_END,
+    CARD_FILE,
+    DP_TAGS,
+    GUARANTEE_SECTIONS,
+    card_body,
+    card_sections,
+    outside_sections,
+    read_front_matter,
+    render_audit_section,
+    render_section,
+)
 from dpbert.release.metadata import (
     NEVER_RELEASED,
     PRIVACY_FILE,
     PRIVACY_UNIT,
     SUPPLIED_FILE,
+    TOKENIZER_FILES,
     UNKNOWN,
     Guarantee,
+    ReleaseMetadata,
     document_group_epsilon,
     epsilon_from_json,
     guarantees_from_json,
     metadata_from_json,
     noise_record,
+    packaged_vocabulary,
     read_privacy_json,
     recompute_epsilon,
     recompute_truncation_delta,
@@ -103,9 +136,11 @@ PRETRAINING = "pretraining"
 FINE_TUNING = "fine-tuning"
 # The trainer refuses a plan whose truncated Poisson samples cost more than this fraction of delta.
 MAX_TRUNCATION_DELTA_FRACTION = 0.01
-# Policy switch: when True, a private guarantee that could be rebuilt from a recipe but whose release
-# carries none fails instead of being reported in `not_checked`.
-REQUIRE_RECIPE = False
+# The keys a guarantee's `unit` may hold: public figures only (a count of the private data is refused).
+UNIT_KEYS = ("sequence_tokens", "max_sequences_per_document", "group_epsilon")
+# A privacy claim in the free text of a card (outside the sections rendered from privacy.json).
+_CLAIM = re.compile(r"differentially[\s-]+private|(?:\bepsilon\b|ε)\W{0,3}(?:=|:|of|at|is)?\s*\d", re.IGNORECASE)
+NO_RECIPE = "has no recipe: a private release must publish its recipe so that the ledger can be rebuilt"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -253,11 +288,21 @@ def _ledger_problems(field: str, ledger: Mapping[str, Any]) -> list[str]:
     n, delta = ledger.get("dataset_size"), ledger.get("delta")
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         problems.append(f"{field}.dataset_size: {n!r} (expected an integer N >= 1)")
-    elif _is_number(delta) and delta >= 1 / n:
-        problems.append(
-            f"{field}.delta: {delta:g} >= 1/dataset_size = 1/{n} (expected delta < 1/N: a delta this large "
-            "allows publishing an example outright)"
-        )
+    else:
+        if _is_number(delta) and delta >= 1 / n:
+            problems.append(
+                f"{field}.delta: {delta:g} >= 1/dataset_size = 1/{n} (expected delta < 1/N: a delta this large "
+                "allows publishing an example outright)"
+            )
+        if source == "rounded" and round_down_significant(n) != n:
+            problems.append(
+                f"{field}.dataset_size: {n} is not a 2-significant-digit number, yet dataset_size_source is "
+                f"'rounded' (the trainer rounds the count down to 2 significant digits, e.g. "
+                f"{round_down_significant(n)}; any other N can be the exact private count)"
+            )
+        bound = ledger.get("dataset_size_bound")
+        if bound is not None and (isinstance(bound, bool) or not isinstance(bound, int) or bound < n):
+            problems.append(f"{field}.dataset_size_bound: {bound!r} (expected an integer >= dataset_size = {n})")
     stages = ledger.get("stages")
     if not isinstance(stages, list) or not stages:
         problems.append(
@@ -272,23 +317,73 @@ def _ledger_problems(field: str, ledger: Mapping[str, Any]) -> list[str]:
     return problems
 
 
-def _group_privacy_problems(field: str, g: Guarantee, rtol: float) -> list[str]:
-    """The card's group privacy of a whole document (sequence-level ledgers), recomputed by
-    `dpbert.privacy.accounting.group_epsilon` for the unit's largest document."""
+def _unit_problems(field: str, g: Guarantee, rtol: float) -> list[str]:
+    """The guarantee's `unit` states public figures only: no count of the private data; a
+    document-level cap equal to the ledger's; a group-privacy table recomputed by
+    `dpbert.privacy.accounting.group_epsilon` for each stated size. `field` is '...guarantees[i].unit'."""
     unit = g.unit or {}
-    if "document_group_epsilon" not in unit:
+    ledger = g.ledger or {}
+    problems = []
+    document_level = ledger.get("privacy_unit", PRIVACY_UNIT) == DOCUMENT_UNIT
+    for key in unit:
+        if key not in UNIT_KEYS or (key == "max_sequences_per_document" and not document_level):
+            problems.append(
+                f"{field}.{key}: a figure of the private data is published (a release states only public "
+                "figures: N, its bound, the declared cap on sequences per document, the sequence length)"
+            )
+    if (
+        document_level
+        and "max_sequences_per_document" in unit
+        and unit["max_sequences_per_document"] != ledger.get("max_sequences_per_document")
+    ):
+        problems.append(
+            f"{field}.max_sequences_per_document: {unit['max_sequences_per_document']!r} stated, "
+            f"{ledger.get('max_sequences_per_document')!r} in the ledger (the declared cap)"
+        )
+    table = unit.get("group_epsilon")
+    if table is None:
+        return problems
+    if document_level or not isinstance(table, list):
+        return problems + [f"{field}.group_epsilon: stated, but only a sequence-level ledger has a group-privacy table"]
+    for j, row in enumerate(table):
+        k = row.get("sequences") if isinstance(row, Mapping) else None
+        if isinstance(k, bool) or not isinstance(k, int) or k < 2:
+            problems.append(f"{field}.group_epsilon[{j}].sequences: {k!r} (expected an integer >= 2)")
+            continue
+        try:
+            stated = epsilon_from_json(row.get("epsilon"), f"{field}.group_epsilon[{j}].epsilon")
+        except ValueError as err:
+            problems.append(str(err))
+            continue
+        recomputed = document_group_epsilon(ledger, k)
+        if not _close(stated, recomputed, max(rtol, 1e-3)):
+            problems.append(
+                f"{field}.group_epsilon[{j}]: {_fmt(stated)} stated, group privacy for {k} sequences gives "
+                f"{_fmt(recomputed)}"
+            )
+    return problems
+
+
+def _total_delta_problems(field: str, g: Guarantee) -> list[str]:
+    """The whole delta of a guarantee (the ledger's, plus truncation, plus a DP vocabulary's selection,
+    plus the noise's tail bound when it is added) must stay below 1/N."""
+    ledger = g.ledger or {}
+    n = ledger.get("dataset_size")
+    if not isinstance(n, int) or n < 1:
         return []
-    most = unit.get("max_sequences_per_document")
-    if (g.ledger or {}).get("privacy_unit", PRIVACY_UNIT) != PRIVACY_UNIT or not isinstance(most, int) or most < 1:
-        return [f"{field}: stated, but only a sequence-level ledger with a known largest document has one"]
-    try:
-        stated = epsilon_from_json(unit["document_group_epsilon"], field)
-    except ValueError as err:
-        return [str(err)]
-    recomputed = document_group_epsilon(g.ledger, most)
-    if not _close(stated, recomputed, max(rtol, 1e-3)):
-        return [f"{field}: {_fmt(stated)} stated, group privacy for {most} sequences gives {_fmt(recomputed)}"]
-    return []
+    delta, truncation, selection = float(ledger["delta"]), g.truncation_delta, g.selection_delta
+    tail = (g.noise or {}).get("tail_bound")
+    added = _is_number(tail) and "not added" not in str((g.noise or {}).get("tail_bound_below") or "")
+    total = delta + truncation + selection + (float(tail) if added else 0.0)
+    if total < 1 / n:
+        return []
+    parts = f"delta {delta:g} + truncation {truncation:.3g} + vocabulary selection {selection:g}"
+    if added:
+        parts += f" + noise tail {float(tail):.3g}"
+    return [
+        f"{field}: total delta {total:.3g} ({parts}) is not below 1/N = 1/{n} (a delta this large allows "
+        "publishing an example outright)"
+    ]
 
 
 # ---- 3-4: the recipe
@@ -310,12 +405,14 @@ def _rebuilt_pretraining(content: str, dataset_size: int) -> tuple[str, int]:
         raise _NotRebuildable(f"recipe.content: not a pretraining recipe ({err})") from None
     if not recipe.privacy.enabled:
         raise _NotRebuildable("recipe.content: privacy.enabled is false, yet the release carries a private ledger")
-    declared = getattr(recipe.privacy, "dataset_size", None)
-    n, source = (declared, "declared") if declared is not None else (round_down_significant(dataset_size), "rounded")
+    # The ledger's N stands for the store's count: rounding it again gives it back (plan_recipe is
+    # the builder the run used).
     try:
-        plan = make_plan(recipe, n, dataset_size_source=source)
+        plan = plan_recipe(recipe, dataset_size)
     except ValueError as err:
-        raise _NotRebuildable(f"recipe.content: its privacy plan cannot be rebuilt for N = {n} ({err})") from None
+        raise _NotRebuildable(
+            f"recipe.content: its privacy plan cannot be rebuilt for N = {dataset_size} ({err})"
+        ) from None
     return json.dumps(plan.ledger.to_dict()), recipe.data.seq_len
 
 
@@ -389,6 +486,8 @@ def _recipe_checks(
                 f"{privacy_path}: recipe.sha256: {recipe.get('sha256')!r} but recipe.content hashes to {digest!r}"
             )
     finetuned = any(_is_finetuning(g.scope) for g in guarantees)
+    if content is None and any(c.private for c in checks.values()):
+        return [*problems, f"{privacy_path} {NO_RECIPE}"], notes, rebuilt
     for i, g in enumerate(guarantees):
         if g.ledger is None or not checks[g.scope].private:
             continue  # a non-private guarantee claims nothing to rebuild
@@ -406,11 +505,6 @@ def _recipe_checks(
             )
             continue
         if content is None:
-            message = f"{g.scope}: the release carries no recipe, so its ledger was not rebuilt"
-            if REQUIRE_RECIPE:
-                problems.append(f"{privacy_path}: recipe: missing; {message}")
-            else:
-                notes.append(message)
             continue
         n = int(g.ledger["dataset_size"])
         try:
@@ -434,7 +528,100 @@ def _recipe_checks(
     return problems, notes, rebuilt
 
 
-# ---- 5-6: weights, secrets, randomness and noise
+def _recipe_data(content: str | None) -> Mapping[str, Any] | None:
+    """The `data` section of a pretraining recipe's content (None when it has none)."""
+    try:
+        raw = yaml.safe_load(content) if content is not None else None
+    except yaml.YAMLError:
+        return None
+    data = raw.get("data") if isinstance(raw, Mapping) else None
+    return data if isinstance(data, Mapping) else None
+
+
+def _vocabulary_problems(privacy_path: str, meta: ReleaseMetadata) -> list[str]:
+    """privacy.json's `vocabulary` against itself and against the pretraining recipe's `data.tokenizer`
+    and `data.tokenizer_declared_public` (a fine-tuned release inherits its vocabulary: not checked)."""
+    field = f"{privacy_path}: vocabulary"
+    learned, kind = meta.vocabulary_learned_from_private_data, meta.vocabulary_kind
+    problems = []
+    has_event = meta.dp_vocabulary is not None
+    if kind == "dp" and learned is not True:
+        problems.append(f"{field}.learned_from_private_data: {learned!r}, yet its source is 'dp' (expected true)")
+    if kind in ("packaged", "declared") and learned is not False:
+        problems.append(f"{field}.learned_from_private_data: {learned!r}, yet its source is {kind!r} (expected false)")
+    if kind in ("train", "unknown") and learned is not True:
+        problems.append(
+            f"{field}.learned_from_private_data: {learned!r}, yet its source is {kind!r} (expected true: such a "
+            "vocabulary is not public)"
+        )
+    if has_event and kind not in (None, "dp"):
+        problems.append(f"{field}.source: {kind!r}, yet a ledger holds a DP vocabulary event (expected 'dp')")
+    if any(_is_finetuning(g.scope) for g in meta.guarantees) or not any(
+        g.scope == PRETRAINING and g.private for g in meta.guarantees
+    ):
+        return problems
+    data = _recipe_data(meta.recipe_content)
+    if data is None:
+        return problems
+    spec = data.get("tokenizer", "bert-base-uncased")
+    declared = data.get("tokenizer_declared_public") is True
+    if learned is None:
+        problems.append(
+            f"{field}.learned_from_private_data: null (expected true or false: a private release states whether "
+            "its vocabulary was learned from the private corpus)"
+        )
+    if spec == "dp":
+        if learned is False:
+            problems.append(
+                f"{field}.learned_from_private_data: false, but the recipe's data.tokenizer is 'dp' (a vocabulary "
+                "learned from the private corpus under DP: expected true, with its event in the ledger)"
+            )
+        if not has_event:
+            problems.append(
+                f"{field}: the recipe's data.tokenizer is 'dp', but no ledger holds the DP vocabulary's event"
+            )
+        if kind not in (None, "dp"):
+            problems.append(f"{field}.source: {kind!r}, but the recipe's data.tokenizer is 'dp' (expected 'dp')")
+    elif spec == "train":
+        if learned is False:
+            problems.append(
+                f"{field}.learned_from_private_data: false, but the recipe's data.tokenizer is 'train' (a "
+                "vocabulary learned from the private corpus without privacy: expected true, and no "
+                "differential-privacy tags)"
+            )
+        if kind not in (None, "train"):
+            problems.append(f"{field}.source: {kind!r}, but the recipe's data.tokenizer is 'train' (expected 'train')")
+    else:
+        if has_event:
+            problems.append(
+                f"{field}: a ledger holds a DP vocabulary event, but the recipe's data.tokenizer is {spec!r}, not 'dp'"
+            )
+        if packaged_vocabulary(spec) is not None:
+            if kind not in (None, "packaged", "train"):
+                problems.append(
+                    f"{field}.source: {kind!r}, but the recipe's data.tokenizer {spec!r} is packaged with dpbert "
+                    "(expected 'packaged')"
+                )
+        elif declared and kind not in (None, "declared", "train"):
+            problems.append(
+                f"{field}.source: {kind!r}, but the recipe declares its tokenizer folder public "
+                "(data.tokenizer_declared_public: true; expected 'declared', and the card says so)"
+            )
+        elif not declared and kind == "declared":
+            problems.append(
+                f"{field}.source: 'declared', but the recipe does not declare its tokenizer public "
+                "(data.tokenizer_declared_public is not true)"
+            )
+    evaluation = meta.evaluation or {}
+    if evaluation.get("public") is True and data.get("eval_corpus") != evaluation.get("corpus"):
+        problems.append(
+            f"{privacy_path}: evaluation.corpus: {evaluation.get('corpus')!r} is called public, but the recipe's "
+            f"data.eval_corpus is {data.get('eval_corpus')!r}"
+        )
+    return problems
+
+
+# ---- 5-6: weights, tokenizer, secrets, randomness and noise
 
 
 def _weight_problems(folder: Path, privacy_path: str, recorded: Any) -> list[str]:
@@ -465,6 +652,73 @@ def _weight_problems(folder: Path, privacy_path: str, recorded: Any) -> list[str
             problems.append(
                 f"{privacy_path}: weights.{name}: sha256 {str(expected)[:16]}... in privacy.json, "
                 f"{actual[:16]}... for the file (the weights are not the ones released)"
+            )
+    return problems
+
+
+def _tokenizer_problems(folder: Path, privacy_path: str, recorded: Any) -> list[str]:
+    """privacy.json's `tokenizer` ({file: sha256}) against the tokenizer files of the folder."""
+    if not isinstance(recorded, Mapping) or not recorded:
+        return [
+            f"{privacy_path}: tokenizer: missing (expected the sha256 of every tokenizer file, which "
+            "`dpbert export` records; re-export the release)"
+        ]
+    problems = []
+    for name in TOKENIZER_FILES:
+        if (folder / name).is_file() and name not in recorded:
+            problems.append(f"{privacy_path}: tokenizer: {name} is in the release but its sha256 is not recorded")
+    for name, expected in recorded.items():
+        path = folder / str(name)
+        if Path(str(name)).name != name:
+            problems.append(f"{privacy_path}: tokenizer: {name!r} is not a file name of the release folder")
+            continue
+        if not path.is_file():
+            problems.append(f"{privacy_path}: tokenizer.{name}: recorded, but {path} is missing")
+            continue
+        actual = sha256_file(path)
+        if actual != expected:
+            problems.append(
+                f"{privacy_path}: tokenizer.{name}: sha256 {str(expected)[:16]}... in privacy.json, "
+                f"{actual[:16]}... for the file (the tokenizer is not the one released)"
+            )
+    return problems
+
+
+def _card_body_problems(card_path: Path, meta: ReleaseMetadata, audits: list[Any]) -> list[str]:
+    """The card's guarantee sections, rendered again from privacy.json by the same templates, must be
+    the card's own, word for word; so must its audit section; and no privacy claim may stand outside them."""
+    try:
+        body = card_body(card_path.read_text(encoding="utf-8"), where=str(card_path))
+    except ValueError as err:
+        return [str(err)]
+    problems = []
+    sections = card_sections(body)
+    names = tuple(name for name, _ in sections)
+    if names not in GUARANTEE_SECTIONS.values():
+        expected = " or ".join(str(list(v)) for v in GUARANTEE_SECTIONS.values())
+        return [
+            f"{card_path}: body: its guarantee sections are {list(names)} (expected {expected}, each between "
+            "<!-- dpbert:begin NAME --> and <!-- dpbert:end NAME -->, as `dpbert export` writes them)"
+        ]
+    for name, text in sections:
+        expected = render_section(name, meta)
+        if text == expected:
+            continue
+        for got, want in itertools.zip_longest(text.splitlines(), expected.splitlines()):
+            if got != want:
+                problems.append(f"{card_path}: body ({name}): {got!r} differs from what privacy.json states: {want!r}")
+                break
+    start, end = body.find(AUDIT_BEGIN), body.find(AUDIT_END)
+    if audits:
+        written = body[start : end + len(AUDIT_END)] + "\n\n" if 0 <= start < end else ""
+        if written != render_audit_section(audits):
+            problems.append(f"{card_path}: body: the audit section differs from the audits in {PRIVACY_FILE}")
+    elif start >= 0 or end >= 0:
+        problems.append(f"{card_path}: body: an audit section, but {PRIVACY_FILE} records no audit")
+    for line in outside_sections(body).splitlines():
+        if _CLAIM.search(line):
+            problems.append(
+                f"{card_path}: body: a privacy claim outside the sections rendered from privacy.json: {line.strip()!r}"
             )
     return problems
 
@@ -624,7 +878,8 @@ def verify_folder(folder: str | Path, *, rtol: float = DEFAULT_RTOL) -> Verifica
                     f"{where}: guarantees[{i}].ledger.target_epsilon: the ledger spends epsilon "
                     f"{_fmt(recomputed)} > its target {target:g} (the trainer refuses such a plan)"
                 )
-            problems += _group_privacy_problems(f"{where}: guarantees[{i}].unit.document_group_epsilon", g, rtol)
+            problems += _unit_problems(f"{where}: guarantees[{i}].unit", g, rtol)
+            problems += _total_delta_problems(f"{where}: guarantees[{i}]", g)
             truncation = recompute_truncation_delta(g.ledger)
             if truncation > MAX_TRUNCATION_DELTA_FRACTION * g.ledger["delta"]:
                 problems.append(
@@ -648,6 +903,8 @@ def verify_folder(folder: str | Path, *, rtol: float = DEFAULT_RTOL) -> Verifica
     problems += found
     checks = {s: dataclasses.replace(c, rebuilt=s in rebuilt) for s, c in checks.items()}
     problems += _weight_problems(folder, where, data.get("weights"))
+    problems += _tokenizer_problems(folder, where, data.get("tokenizer"))
+    problems += _vocabulary_problems(where, meta)
     found, warnings, notes = _randomness_and_noise(where, guarantees, checks)
     problems += found
     not_checked += notes
@@ -679,16 +936,17 @@ def verify_folder(folder: str | Path, *, rtol: float = DEFAULT_RTOL) -> Verifica
             card_audits = (block.get("audits") if isinstance(block, Mapping) else None) or []
             if card_audits != (data.get("audits") or []):
                 problems.append(f"{card_path}: differential_privacy.audits differs from the audits in {privacy_path}")
+            problems += _card_body_problems(card_path, meta, list(data.get("audits") or []))
             claimed = sorted(set(matter.get("tags") or ()) & set(DP_TAGS))
             if not private and claimed:
                 problems.append(f"{card_path}: a non-private release carries the tags {claimed}")
-            elif meta.vocabulary_learned_from_private_data and claimed:
+            elif not meta.vocabulary_private and claimed:
                 problems.append(
                     f"{card_path}: the vocabulary was learned from the private corpus without privacy "
                     f"({PRIVACY_FILE}: vocabulary.learned_from_private_data), so the release must not carry the tags "
                     f"{claimed}"
                 )
-            elif private and not meta.vocabulary_learned_from_private_data and len(claimed) != len(DP_TAGS):
+            elif private and meta.vocabulary_private and len(claimed) != len(DP_TAGS):
                 problems.append(f"{card_path}: a private release must carry the tags {list(DP_TAGS)}")
 
     if not config_path.is_file():
@@ -707,5 +965,5 @@ def verify_folder(folder: str | Path, *, rtol: float = DEFAULT_RTOL) -> Verifica
         problems=tuple(problems),
         warnings=tuple(warnings),
         not_checked=tuple(not_checked),
-        vocabulary_from_private_data=meta.vocabulary_learned_from_private_data,
+        vocabulary_from_private_data=not meta.vocabulary_private,
     )

@@ -144,7 +144,11 @@ def open_data(recipe: Recipe, run_dir: Path, log: Callable[[str], None]) -> Trai
             corpus=recipe.data.corpus,
             tokenizer=str(run_dir / "vocabulary")
             if recipe.data.tokenizer == "dp"
-            else resolve_tokenizer(recipe.data.tokenizer),
+            else resolve_tokenizer(
+                recipe.data.tokenizer,
+                declared_public=recipe.data.tokenizer_declared_public,
+                private=recipe.privacy.enabled,
+            ),
             seq_len=recipe.data.seq_len,
             eval_fraction=recipe.data.eval_fraction,
             seed=recipe.data.split_seed,
@@ -212,7 +216,8 @@ def dp_vocabulary_dir(
         out_dir=out,
         window=dp_vocabulary_window(recipe),
         origin=(
-            f"DP WordPiece learned from {d.corpus} (Gaussian partition selection, epsilon {event.epsilon_share:.3g} "
+            "DP WordPiece learned from the run's private training corpus (Gaussian partition selection, epsilon "
+            f"{event.epsilon_share:.3g} "
             f"alone, selection delta {event.selection_delta:g}, unit {event.unit}; in the run's ledger)"
         ),
     )

@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -15,6 +16,7 @@ from typing import Any
 from dpbert.atomic import replace_dir, write_json
 from dpbert.model.bert import BertForMaskedLM
 from dpbert.release.export import export_run
+from dpbert.release.metadata import VOCAB_ORIGIN_FILE
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -39,17 +41,33 @@ class RunResult:
     reference: tuple[float, str] | None = None
 
 
-def write_hf(model: BertForMaskedLM, tokenizer: Any, out: Path, *, ledger: dict[str, Any] | None) -> None:
+def write_hf(
+    model: BertForMaskedLM,
+    tokenizer: Any,
+    out: Path,
+    *,
+    ledger: dict[str, Any] | None,
+    tokenizer_dir: str | os.PathLike[str] | None = None,
+) -> None:
     """The final model and its tokenizer as a Hugging Face folder (atomic: temp sibling, rename),
-    with the run's privacy ledger beside the weights when the run was private."""
+    with the run's privacy ledger beside the weights when the run was private, and dpbert's
+    vocabulary origin marker (`VOCAB_ORIGIN_FILE`) when the tokenizer folder has one
+    (`tokenizer_dir`, default the folder the tokenizer was loaded from), so that the folder,
+    reused as a tokenizer, still tells where its vocabulary came from."""
+    source = Path(tokenizer_dir) if tokenizer_dir is not None else Path(str(getattr(tokenizer, "name_or_path", "")))
+    marker = source / VOCAB_ORIGIN_FILE
     with replace_dir(out) as tmp:
         model.save_pretrained(str(tmp))
         tokenizer.save_pretrained(str(tmp))
+        if str(source) and marker.is_file():
+            shutil.copy2(marker, tmp / VOCAB_ORIGIN_FILE)
         if ledger is not None:
             write_json(tmp / "privacy.json", ledger)
 
 
 def export_release(run_dir: Path, *, private: bool) -> Path:
+    """RUN_DIR/release, as `dpbert export RUN_DIR` writes it by default: no held-out figure of the
+    private corpus, no diagnostic value (both stay in the run folder)."""
     return export_run(run_dir, run_dir / "release", non_private=not private, overwrite=True)
 
 
