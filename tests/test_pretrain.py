@@ -427,3 +427,30 @@ def test_resume_needs_its_secret_and_its_corpus(workspace, reference_run, tmp_pa
                 "data.tokenizer_declared_public=true",
             ],
         )
+
+
+def test_public_eval_corpus_figures_are_released_private_ones_are_not(workspace, tmp_path):
+    """Held-out figures on a public `data.eval_corpus` leave in the release, labelled; without one,
+    the private held-out figures stay in the run folder."""
+    public = tmp_path / "public_corpus"
+    public.mkdir()
+    for d in range(20):
+        (public / f"pub{d:02d}.txt").write_text(" ".join(PHRASES[(d + i) % 6].format(w=SLOTS[i % 6]) for i in range(8)))
+    recipe = write_recipe(
+        workspace,
+        tmp_path / "public_eval.yaml",
+        schedule=[{"steps": 2, "expected_batch_size": 24}],
+        data={"eval_corpus": str(public)},
+        optimizer={"learning_rate": 1.0e-2, "warmup_steps": 0},
+    )
+    run_dir = tmp_path / "public_eval"
+    result = pretrain(recipe, run_dir, progress=False, log=lambda s: None, noise_seed_file=workspace["seed_file"])
+    (last,) = [r for r in read_metrics(run_dir / "metrics.jsonl") if r["kind"] == "eval"][-1:]
+    assert last["eval_public"] is True and last["eval_corpus"] == str(public)
+    assert last["eval_mlm_accuracy"] == pytest.approx(result.eval_mlm_accuracy)
+    evaluation = json.loads((run_dir / "release" / "privacy.json").read_text())["evaluation"]
+    assert evaluation["public"] is True and "public_corpus" in evaluation["corpus"]
+    assert str(tmp_path) not in (run_dir / "release" / "privacy.json").read_text()
+    with pytest.raises(ValueError, match="eval_corpus"):
+        write_recipe(workspace, tmp_path / "same.yaml", data={"eval_corpus": str(workspace["corpus"])})
+        pretrain(tmp_path / "same.yaml", tmp_path / "same", progress=False, log=lambda s: None)

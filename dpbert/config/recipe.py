@@ -137,6 +137,12 @@ class DataConfig:
     def __post_init__(self) -> None:
         _check(bool(self.corpus), "corpus", "a non-empty corpus name or path", self.corpus)
         _check(bool(self.tokenizer), "tokenizer", "a non-empty tokenizer name or path", self.tokenizer)
+        _check(
+            self.eval_corpus is None or (bool(self.eval_corpus) and self.eval_corpus != self.corpus),
+            "eval_corpus",
+            "null or a public corpus other than data.corpus (the private one)",
+            self.eval_corpus,
+        )
         _check(self.seq_len >= 8, "seq_len", "an integer >= 8", self.seq_len)
         _check(0.0 < self.eval_fraction < 0.5, "eval_fraction", "a fraction in (0, 0.5)", self.eval_fraction)
         _check(self.num_proc >= 1, "num_proc", "an integer >= 1", self.num_proc)

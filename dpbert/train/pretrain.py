@@ -138,17 +138,11 @@ def open_data(recipe: Recipe, run_dir: Path, log: Callable[[str], None]) -> Trai
     store_dir = Path(recipe.data.store) if recipe.data.store else run_dir / "store"
     t0 = time.perf_counter()
 
-    def prepare() -> Any:
+    def prepare(out: Path, corpus: str, tokenizer: str) -> Any:
         return prepare_store(
-            store_dir,
-            corpus=recipe.data.corpus,
-            tokenizer=str(run_dir / "vocabulary")
-            if recipe.data.tokenizer == "dp"
-            else resolve_tokenizer(
-                recipe.data.tokenizer,
-                declared_public=recipe.data.tokenizer_declared_public,
-                private=recipe.privacy.enabled,
-            ),
+            out,
+            corpus=corpus,
+            tokenizer=tokenizer,
             seq_len=recipe.data.seq_len,
             eval_fraction=recipe.data.eval_fraction,
             seed=recipe.data.split_seed,
@@ -156,12 +150,27 @@ def open_data(recipe: Recipe, run_dir: Path, log: Callable[[str], None]) -> Trai
             num_proc=recipe.data.num_proc,
         )
 
-    # Process 0 builds the store; the others then find it ready.
-    manifest = prepare() if distributed.is_primary() else None
-    distributed.barrier("dpbert pretrain: token store ready")
-    manifest = manifest or prepare()
+    def prepared(out: Path, corpus: str, tokenizer: str) -> Any:
+        # Process 0 builds the store; the others then find it ready.
+        manifest = prepare(out, corpus, tokenizer) if distributed.is_primary() else None
+        distributed.barrier(f"dpbert pretrain: token store {out.name} ready")
+        return manifest or prepare(out, corpus, tokenizer)
+
+    tokenizer = (
+        str(run_dir / "vocabulary")
+        if recipe.data.tokenizer == "dp"
+        else resolve_tokenizer(
+            recipe.data.tokenizer, declared_public=recipe.data.tokenizer_declared_public, private=recipe.privacy.enabled
+        )
+    )
+    manifest = prepared(store_dir, recipe.data.corpus, tokenizer)
     train_store = TokenStore.open(store_dir, "train")
     eval_store = TokenStore.open(store_dir, "eval")
+    if recipe.data.eval_corpus is not None:  # public: all of it is held out, with the run's vocabulary
+        public_dir = run_dir / "eval_store"
+        prepared(public_dir, recipe.data.eval_corpus, str(train_store.tokenizer_dir))
+        eval_store = TokenStore.open(public_dir, "train")
+        log(f"data: held-out figures on the public corpus {recipe.data.eval_corpus} (data.eval_corpus)")
     document_unit = recipe.privacy.enabled and recipe.privacy.unit == "document"
     offsets = train_store.document_offsets() if document_unit else None
     if offsets is not None:
@@ -193,7 +202,11 @@ def open_data(recipe: Recipe, run_dir: Path, log: Callable[[str], None]) -> Trai
         offsets=offsets,
         stored_units=stored,
         n_train=size.n,
-        unigram=unigram_token(train_store, len(train_store), manifest.special_token_ids),
+        unigram=unigram_token(
+            train_store if recipe.data.eval_corpus is None else eval_store,
+            len(train_store if recipe.data.eval_corpus is None else eval_store),
+            manifest.special_token_ids,
+        ),
     )
 
 
@@ -521,7 +534,9 @@ def pretrain(
             mesh=mesh,
             unigram=data.unigram,
         )
-        return {"kind": "eval", "step": state.step, **result}
+        public = recipe.data.eval_corpus is not None
+        labels = {"eval_public": public, "eval_corpus": recipe.data.eval_corpus if public else recipe.data.corpus}
+        return {"kind": "eval", "step": state.step, **result, **labels}
 
     def periodic_eval(state: TrainState) -> dict[str, Any]:
         record = run_eval(state)
