@@ -391,7 +391,10 @@ def test_input_canary_audit_is_marked_and_never_touches_the_recipe_store(audit_r
     assert privacy["audit"] is True
     with pytest.raises(ValueError, match="audit"):
         PrivacyLedger.from_dict(privacy)
-    assert privacy["dataset_size"] == len(audited)
+    # The release's public N (the base store's count rounded down), its bound widened for the canaries.
+    from dpbert.privacy.accounting import round_down_significant
+
+    assert privacy["dataset_size"] == round_down_significant(n) and privacy["dataset_size_bound"] >= len(audited)
     assert not (run / "release").exists()
     # ... and a later export of it is refused: canaries never reach a released checkpoint.
     from dpbert.release import export_run
@@ -408,7 +411,7 @@ def test_gradient_canary_audit_of_a_recipe_uses_its_privacy_plan(audit_recipe, t
     import json
 
     from dpbert import cli
-    from dpbert.config.plan import make_plan
+    from dpbert.config.plan import plan_recipe
     from dpbert.config.recipe import load_recipe
     from dpbert.data.store import TokenStore
 
@@ -439,11 +442,9 @@ def test_gradient_canary_audit_of_a_recipe_uses_its_privacy_plan(audit_recipe, t
     # The empirical figures of the same scores, dpbert's and (where installed) jax-privacy's auditor's.
     assert 0.0 <= report["auroc"] <= 1.0 and [r["fpr"] for r in report["tpr_at_fpr"]] == [0.01, 0.001]
     assert "none is a privacy guarantee" in report["empirical"] and "available" in report["jax_privacy"]
-    # The claim is the one the trainer would make for the same data plus the included canaries.
-    plan = make_plan(
-        load_recipe(recipe, ["privacy.noise_multiplier=0.8"]),
-        len(TokenStore.open(root / "store")) + report["num_included"],
-    )
+    # The claim is the release's: the plan of the recipe's own data (its public N, q and sigma); the
+    # canaries are stored rows beside the others, within the widened bound.
+    plan = plan_recipe(load_recipe(recipe, ["privacy.noise_multiplier=0.8"]), len(TokenStore.open(root / "store")))
     assert report["epsilon_claimed"] == pytest.approx(plan.ledger.epsilon(), rel=1e-9)
     assert 0.0 <= report["epsilon_lower_bound"] <= report["epsilon_claimed"]
     assert not (out / "run").exists()
@@ -455,13 +456,16 @@ def test_gradient_canary_audit_of_a_recipe_uses_its_privacy_plan(audit_recipe, t
 @pytest.fixture()
 def audited_release(audit_recipe, tmp_path):
     """A real release of the audit recipe's privacy plan: a tiny BERT, the store's tokenizer, the ledger
-    the trainer would write for the recipe's own data (no canaries)."""
+    the trainer would write for the recipe's own data (no canaries), the recipe published with it
+    (its local paths redacted, as `dpbert export` publishes it), so that `dpbert verify` rebuilds it."""
+    import yaml
     from transformers import BertConfig, BertForMaskedLM
 
-    from dpbert.config.plan import make_plan
-    from dpbert.config.recipe import load_recipe
+    from dpbert.config.plan import plan_recipe
+    from dpbert.config.recipe import load_recipe, recipe_to_dict
     from dpbert.data.store import TokenStore
     from dpbert.release import CardInfo, Guarantee, ReleaseMetadata, write_release
+    from dpbert.release.export import _published_recipe
 
     recipe, root = audit_recipe
     store = TokenStore.open(root / "store")
@@ -476,7 +480,8 @@ def audited_release(audit_recipe, tmp_path):
             max_position_embeddings=32,
         )
     ).save_pretrained(model)
-    ledger = make_plan(load_recipe(recipe, ["privacy.noise_multiplier=0.8"]), len(store)).ledger.to_dict()
+    resolved = load_recipe(recipe, ["privacy.noise_multiplier=0.8"])
+    ledger = plan_recipe(resolved, len(store)).ledger.to_dict()
     meta = ReleaseMetadata(
         guarantees=(
             Guarantee.from_ledger(
@@ -485,6 +490,10 @@ def audited_release(audit_recipe, tmp_path):
         ),
         vocabulary_origin="trained on the test corpus",
         vocabulary_covered=False,
+        vocabulary_learned_from_private_data=True,  # the recipe's data.tokenizer is "train"
+        vocabulary_kind="train",
+        recipe_name="recipe.yaml",
+        recipe_content=_published_recipe(yaml.safe_dump(recipe_to_dict(resolved), sort_keys=False)),
     )
     info = CardInfo(
         model_name="tiny-dp",

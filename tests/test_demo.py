@@ -12,6 +12,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+import yaml
 from flax import nnx
 from gradio_client import Client
 from gradio_client.exceptions import AppError
@@ -34,27 +35,27 @@ SENTENCE = "the president spoke to [MASK] about the [MASK] ."
 DP_DELTA = 1e-5
 
 
-def _ledger(dataset_size: int = 1000, batch: int = 64, steps: int = 20) -> dict:
-    """A one-stage ledger as `PrivacyLedger.to_dict()` writes it."""
-    return {
-        "accountant": "pld",
-        "delta": DP_DELTA,
-        "dataset_size": dataset_size,
-        "clip_norm": 1.0,
-        "stages": [
-            {
-                "steps": steps,
-                "expected_batch_size": batch,
-                "noise_multiplier": 1.1,
-                "sampling_rate": batch / dataset_size,
-                "physical_batch_size": None,
-            }
-        ],
-        "target_epsilon": None,
-        "sampling": "poisson",
-        "privacy_unit": "one example sequence",
-        "neighboring_relation": "add_or_remove_one",
-    }
+# The DP release's recipe, as the trainer saves it: a vocabulary trained on the (private) corpus, a
+# fixed noise multiplier, PLD accounting, N = 1000 sequences. `dpbert verify` (and so the demo)
+# rebuilds the release's ledger from it.
+RECIPE = {
+    "model": {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2, "intermediate_size": 64},
+    "data": {"corpus": "test corpus", "seq_len": 32, "tokenizer": "train"},
+    "schedule": [{"steps": 20, "expected_batch_size": 64}],
+    "privacy": {"enabled": True, "clip_norm": 1.0, "delta": DP_DELTA, "accountant": "pld", "noise_multiplier": 1.1},
+    "train": {"microbatch_size": 16},
+}
+DATASET_SIZE = 1000
+
+
+def _recipe_and_ledger() -> tuple[str, dict]:
+    """The recipe as the trainer writes RUN_DIR/recipe.yaml, and the ledger `plan_recipe` builds from it."""
+    from dpbert.config.plan import plan_recipe
+    from dpbert.config.recipe import load_recipe_dict, recipe_to_dict
+
+    recipe = load_recipe_dict(RECIPE)
+    text = yaml.safe_dump(recipe_to_dict(recipe), sort_keys=False)
+    return text, plan_recipe(recipe, DATASET_SIZE).ledger.to_dict()
 
 
 def _write_release(out: Path, tokenizer_dir: Path, *, seed: int, guarantee: Guarantee) -> Path:
@@ -71,8 +72,15 @@ def _write_release(out: Path, tokenizer_dir: Path, *, seed: int, guarantee: Guar
     model = BertForMaskedLM(config, rngs=nnx.Rngs(seed))
     # Random init gives near-uniform probabilities; a random decoder bias makes the top-k distinct.
     model.cls.predictions.bias[...] = jax.random.normal(jax.random.key(seed), (config.vocab_size,))
+    private = guarantee.private
     meta = ReleaseMetadata(
-        guarantees=(guarantee,), vocabulary_origin="trained on the test corpus", vocabulary_covered=False
+        guarantees=(guarantee,),
+        vocabulary_origin="trained on the test corpus",
+        vocabulary_covered=False,
+        vocabulary_learned_from_private_data=True,  # the recipe's data.tokenizer is "train"
+        vocabulary_kind="train",
+        recipe_name="recipe.yaml" if private else None,
+        recipe_content=_recipe_and_ledger()[0] if private else None,
     )
     info = CardInfo(model_name=out.name, architecture="tiny BERT", reproduce_command="(test fixture)")
     return write_release(out, model=model, meta=meta, info=info, tokenizer_dir=tokenizer_dir)
@@ -86,7 +94,7 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     tokenizer_dir = root / "tokenizer"
     BertTokenizerFast(tokenizer_object=wordpiece._tokenizer).save_pretrained(str(tokenizer_dir))
     dp = Guarantee.from_ledger(
-        scope="pretraining", data="test corpus", ledger=_ledger(), randomness={"source": "os-csprng"}
+        scope="pretraining", data="test corpus", ledger=_recipe_and_ledger()[1], randomness={"source": "os-csprng"}
     )
     nonprivate = Guarantee.non_private(scope="pretraining", data="test corpus")
     return {

@@ -325,27 +325,39 @@ def _tiny_model(folder: Path) -> None:
 # Private pretraining guarantee of the source release. RDP keeps the (re)computations cheap: the PLD
 # accountant is tested in test_privacy_accounting.py, here only its bookkeeping matters.
 _PRETRAINING = {"steps": 1000, "expected_batch_size": 256, "noise_multiplier": 1.0, "dataset_size": 100_000}
+# The source release's recipe (the packaged bert-base-uncased vocabulary, a fixed noise multiplier):
+# `dpbert verify` rebuilds the pretraining ledger from it.
+_PRETRAINING_RECIPE = {
+    "model": {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2, "intermediate_size": 64},
+    "data": {"corpus": "synthetic", "seq_len": 32},
+    "schedule": [{"steps": _PRETRAINING["steps"], "expected_batch_size": _PRETRAINING["expected_batch_size"]}],
+    "privacy": {"enabled": True, "clip_norm": 1.0, "delta": 1.0e-6, "accountant": "rdp",
+                "noise_multiplier": _PRETRAINING["noise_multiplier"]},
+    "train": {"microbatch_size": 16},
+}  # fmt: skip
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """SST-2-like data, a plain HF folder (`model`) and a dpbert release of it (`pretrained_dp`)."""
-    from dpbert.privacy.accounting import PrivacyLedger
-    from dpbert.privacy.schedule import BatchSchedule
+    import yaml
+
+    from dpbert.config.plan import plan_recipe
+    from dpbert.config.recipe import load_recipe_dict, recipe_to_dict
     from dpbert.release import CardInfo, Guarantee, ReleaseMetadata, write_release
 
     root = tmp_path_factory.mktemp("finetune")
     _synthetic_sst2(root / "SST-2", n_train=800, n_dev=200)
     _tiny_model(root / "model")
-    p = _PRETRAINING
-    ledger = PrivacyLedger.for_schedule(
-        BatchSchedule.constant(steps=p["steps"], expected_batch_size=p["expected_batch_size"], noise_multiplier=p["noise_multiplier"]),
-        dataset_size=p["dataset_size"], delta=1e-6, clip_norm=1.0, accountant="rdp",
-    )  # fmt: skip
+    # As the trainer writes it: the resolved recipe, and the ledger `plan_recipe` builds from it.
+    recipe = load_recipe_dict(_PRETRAINING_RECIPE)
+    ledger = plan_recipe(recipe, _PRETRAINING["dataset_size"]).ledger
     meta = ReleaseMetadata(
         guarantees=(Guarantee.from_ledger(scope="pretraining", data="synthetic corpus", ledger=ledger.to_dict(),
                                           randomness={"source": "os-csprng"}),),
         vocabulary_origin="public word list", vocabulary_covered=True,
+        vocabulary_learned_from_private_data=False, vocabulary_kind="packaged",
+        recipe_name="recipe.yaml", recipe_content=yaml.safe_dump(recipe_to_dict(recipe), sort_keys=False),
     )  # fmt: skip
     info = CardInfo(model_name="tiny-dp", architecture="tiny BERT", reproduce_command="dpbert pretrain tiny.yaml")
     write_release(root / "pretrained_dp", model=root / "model", meta=meta, info=info)
@@ -445,7 +457,7 @@ def test_dp_finetune_from_the_cli_learns_and_spends_the_asked_epsilon(dp_run: tu
     assert result["dev"]["validation"]["accuracy"] > 0.75  # chance is 0.5
     privacy = result["privacy"]
     n = 800
-    assert privacy["delta"] == pytest.approx(1 / n**1.1) and privacy["delta_rule"] == "1/n^1.1"
+    assert privacy["delta"] == pytest.approx(1 / n**1.1) and privacy["delta_rule"] == "1/N^1.1"
     assert privacy["expected_batch_size"] == 200 and privacy["steps"] == 16  # 4 epochs * 800 / 200
     assert privacy["accountant"] == "rdp"
     assert 8 * 0.99 <= privacy["epsilon"] <= 8.0  # calibrated to spend the budget, never more
@@ -454,7 +466,7 @@ def test_dp_finetune_from_the_cli_learns_and_spends_the_asked_epsilon(dp_run: tu
     assert ledger.epsilon() == pytest.approx(privacy["epsilon"], rel=1e-6)
     trained = result["trained"]
     assert trained["subset"] == "bias" and 0 < trained["parameters"] < trained["total_parameters"] / 5
-    assert "noise_multiplier=" in printed and "1/n^1.1" in printed and "sst2" in printed.splitlines()[-1]
+    assert "noise_multiplier=" in printed and "1/N^1.1" in printed and "sst2" in printed.splitlines()[-1]
 
 
 def test_dp_release_states_both_guarantees_each_for_its_own_data(
@@ -488,7 +500,8 @@ def test_dp_release_states_both_guarantees_each_for_its_own_data(
     assert privacy["vocabulary"] == {
         "origin": "public word list",
         "covered": True,
-        "learned_from_private_data": None,
+        "learned_from_private_data": False,
+        "source": "packaged",
     }  # inherited from the source
 
     check = verify_folder(model_dir)  # each epsilon recomputed from its own ledger

@@ -45,6 +45,7 @@ class SourcePrivacy:
     vocabulary_origin: str
     vocabulary_covered: bool
     vocabulary_learned_from_private_data: bool | None = None
+    vocabulary_kind: str | None = None  # the source's `vocabulary.source` (packaged/declared/dp/train/unknown)
 
 
 def source_privacy(model_dir: Path, model: str) -> SourcePrivacy:
@@ -68,6 +69,7 @@ def source_privacy(model_dir: Path, model: str) -> SourcePrivacy:
         vocabulary_origin=str(vocabulary.get("origin") or "Its origin is not recorded"),
         vocabulary_covered=vocabulary.get("covered") is True,
         vocabulary_learned_from_private_data=vocabulary.get("learned_from_private_data"),
+        vocabulary_kind=vocabulary.get("source"),
     )
 
 
@@ -114,15 +116,17 @@ def export_model(
         else Guarantee.non_private(scope=scope, data=data)
     )
     vocabulary_origin, vocabulary_covered = source.vocabulary_origin, source.vocabulary_covered
-    learned = source.vocabulary_learned_from_private_data
+    learned, kind = source.vocabulary_learned_from_private_data, source.vocabulary_kind
     if config.tokenizer is not None:
+        # Its origin is not recorded: it may have been learned from private data, so it is not public.
         vocabulary_origin = "A tokenizer given for fine-tuning (config.tokenizer); its origin is not recorded"
-        vocabulary_covered, learned = False, None
+        vocabulary_covered, learned, kind = False, True, "unknown"
     meta = ReleaseMetadata(
         guarantees=(*source.guarantees, task_guarantee),
         vocabulary_origin=vocabulary_origin,
         vocabulary_covered=vocabulary_covered,
         vocabulary_learned_from_private_data=learned,
+        vocabulary_kind=kind,
         recipe_name="finetune.yaml",
         recipe_content=yaml.safe_dump(config_record(config), sort_keys=False),
     )
