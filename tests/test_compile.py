@@ -6,7 +6,7 @@ from __future__ import annotations
 import jax
 import pytest
 
-from dpbert.config.plan import ledger_physical_batch_sizes
+from dpbert.config.plan import plan_recipe
 from dpbert.config.recipe import load_recipe_dict
 from dpbert.train.compile import compile_step
 from dpbert.train.engine import device_batch_size
@@ -40,7 +40,7 @@ def reports():
 
 def test_compiles_the_trainers_batch_and_state(reports):
     recipe, r = reports["ghost"]
-    ledger = ledger_physical_batch_sizes(recipe, 5000)
+    ledger = plan_recipe(recipe, 5000).physical_batch_sizes  # target.dataset_size: the stored count
     assert r.physical_batch_size == device_batch_size(ledger[-1], jax.device_count(), 8)
     assert r.physical_batch_size >= 80 and r.expected_batch_size == 80 and r.stage_index == 1
     # float32 params + AdamW's two moments, replicated on the one device.

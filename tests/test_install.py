@@ -106,7 +106,7 @@ def test_pip_install_alone_is_enough(tmp_path):
         "1",
     ]
     done = _run([*dpbert, "--out", tmp_path / "store"], tmp_path, env=run_env)
-    assert "bert-base-uncased (packaged public vocabulary), vocab 30522" in done.stdout
+    assert "bert-base-uncased (packaged public vocabulary, 30522 tokens), vocab 30522" in done.stdout
 
     vocab_file = installed.parent / "data" / "bert-base-uncased" / "vocab.txt"
     vocab_file.unlink()
