@@ -20,11 +20,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-import jax
 import numpy as np
 import pytest
 from safetensors.numpy import load_file
-from tiny_run import seed_file, write_recipe
+from tiny_run import persistent_compilation_cache, seed_file, write_recipe
 
 from dpbert.privacy import PrivacyLedger
 from dpbert.train.checkpoint import CheckpointStore
@@ -45,17 +44,8 @@ def workspace(tmp_path_factory):
 @pytest.fixture(scope="module", autouse=True)
 def compilation_cache(workspace):
     """One persistent XLA cache for the reference run, the resumed run and the CLI's subprocess."""
-    from jax.experimental.compilation_cache import compilation_cache as cc
-
-    names = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs")
-    before = {name: getattr(jax.config, name) for name in names}
-    jax.config.update("jax_compilation_cache_dir", str(workspace["cache"]))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    cc.reset_cache()
-    yield
-    for name, value in before.items():
-        jax.config.update(name, value)
-    cc.reset_cache()
+    with persistent_compilation_cache(workspace["cache"]):
+        yield
 
 
 @pytest.fixture(scope="module")

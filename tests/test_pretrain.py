@@ -17,11 +17,11 @@ import time
 from collections import Counter
 from pathlib import Path
 
-import jax
 import numpy as np
 import pytest
 import yaml
 from safetensors.numpy import load_file
+from tiny_run import persistent_compilation_cache
 
 from dpbert.data.store import TokenStore
 from dpbert.privacy import PrivacyLedger
@@ -94,17 +94,8 @@ def workspace(tmp_path_factory):
 def compilation_cache(workspace):
     """One persistent XLA cache for this process and the trainer subprocesses: the killed and
     resumed runs reuse the reference run's compiled steps (the same programs, so the same bits)."""
-    from jax.experimental.compilation_cache import compilation_cache as cc
-
-    names = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs")
-    before = {name: getattr(jax.config, name) for name in names}
-    jax.config.update("jax_compilation_cache_dir", str(workspace["cache"]))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    cc.reset_cache()
-    yield
-    for name, value in before.items():
-        jax.config.update(name, value)
-    cc.reset_cache()
+    with persistent_compilation_cache(workspace["cache"]):
+        yield
 
 
 def write_recipe(workspace, path: Path, **sections) -> Path:

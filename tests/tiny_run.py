@@ -6,10 +6,13 @@ per-example keys must not depend on the devices)."""
 
 from __future__ import annotations
 
+import contextlib
 import random
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import jax
 import yaml
 
 PHRASES = [
@@ -73,3 +76,22 @@ def write_recipe(root: Path, *, checkpoint_every: int = 2, unit: str = "sequence
     path = root / "recipe.yaml"
     path.write_text(yaml.safe_dump(recipe))
     return path
+
+
+@contextlib.contextmanager
+def persistent_compilation_cache(cache_dir: Path) -> Iterator[None]:
+    """One persistent XLA cache for this process and the trainer subprocesses it starts (they set
+    JAX_COMPILATION_CACHE_DIR): resumed runs reuse the reference run's compiled steps."""
+    from jax.experimental.compilation_cache import compilation_cache as cc
+
+    names = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs")
+    before = {name: getattr(jax.config, name) for name in names}
+    jax.config.update("jax_compilation_cache_dir", str(cache_dir))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    cc.reset_cache()
+    try:
+        yield
+    finally:
+        for name, value in before.items():
+            jax.config.update(name, value)
+        cc.reset_cache()
