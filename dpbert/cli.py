@@ -266,7 +266,9 @@ def _audit(args: argparse.Namespace) -> int:
         if not args.json:
             print(
                 f"audited figure ({figure.kind} canaries, lower bound {figure.epsilon_lower_bound:.4g}) added to "
-                f"{args.card}/privacy.json and README.md"
+                f"{args.card}/privacy.json and README.md; the release with this audit's result is "
+                f"({figure.epsilon_with_audit:.4g}, {figure.delta_with_audit:.3g})-DP"
+                + (" (the audit run trained on the private data)" if figure.private_data_used else "")
             )
     return 0
 

@@ -566,6 +566,12 @@ def test_audit_adds_a_labelled_lower_bound_to_a_release_that_still_verifies(
         assert figure[key] == report[key], key
     assert figure["scope"] == "pretraining" and figure["kind"] == "gradient" and figure["num_canaries"] == 10
     assert figure["epsilon_release"] == pytest.approx(guarantees_before[0]["epsilon"], rel=1e-12)
+    # Gradient canaries read nothing of the private data: the release with the audit is the release.
+    assert figure["private_data_used"] is False
+    assert (figure["epsilon_with_audit"], figure["delta_with_audit"]) == (
+        figure["epsilon_release"],
+        figure["delta_release"],
+    )
     assert "lower bound" in figure["meaning"] and "not a privacy guarantee" in figure["meaning"]
     assert figure["date"].endswith("+00:00")
 
@@ -645,3 +651,78 @@ def test_audit_is_refused_for_another_privacy_plan_or_a_broken_release(audited_r
     path.write_text(json.dumps(report))
     with pytest.raises(ValueError, match="does not verify"):
         add_audit(release, path)
+
+
+def test_an_input_audit_states_its_own_cost_and_a_forged_composition_fails_verify(audited_release):
+    """An input audit is a second DP training on the private data: the figure states the audit run's
+    guarantee and the release's composed with it (sums), the card says so, and verify refuses a
+    figure whose composition or release figures were edited."""
+    import json
+
+    from huggingface_hub import ModelCard
+
+    from dpbert.release import verify_folder
+    from dpbert.release.audited import add_audit
+    from dpbert.release.card import render_audit_section, with_audits
+    from dpbert.release.metadata import guarantees_from_json
+
+    release = audited_release
+    privacy = json.loads((release / "privacy.json").read_text())
+    (guarantee,) = guarantees_from_json(privacy, "privacy.json")
+    report = {
+        "audit": True,
+        "kind": "input",
+        "epsilon_claimed": guarantee.epsilon * 1.02,  # canaries join the audit run's dataset
+        "delta": 2e-5,
+        "epsilon_lower_bound": 0.3,
+        "confidence": 0.95,
+        "num_canaries": 100,
+        "num_guesses": 10,
+        "num_correct": 7,
+        "date": "2026-01-01T00:00:00+00:00",
+        "recipe": "r.yaml",
+    }
+    figure = add_audit(release, report)
+    assert figure.private_data_used is True
+    assert figure.epsilon_release == guarantee.epsilon and figure.delta_release == guarantee.total_delta
+    assert guarantee.total_delta >= guarantee.ledger["delta"]
+    assert figure.epsilon_with_audit == pytest.approx(guarantee.epsilon * 2.02, rel=1e-12)
+    assert figure.delta_with_audit == pytest.approx(guarantee.total_delta + 2e-5, rel=1e-12)
+    after = json.loads((release / "privacy.json").read_text())
+    assert after["guarantees"] == privacy["guarantees"]  # the release's own guarantee is unchanged
+    card = (release / "README.md").read_text()
+    total = f"({guarantee.epsilon * 2.02:.4g}, {guarantee.total_delta + 2e-5:.4g})"
+    assert f"With every audit above, the pretraining data is {total}-DP." in card
+    assert "yes: (" in card and "basic composition" in card
+    assert verify_folder(release).ok
+
+    def forge(**changes):
+        audits = [{**after["audits"][0], **changes}]
+        (release / "privacy.json").write_text(json.dumps({**after, "audits": audits}))
+        (release / "README.md").write_text(with_audits(card, audits))
+        return verify_folder(release)
+
+    # A forger who edits the composition everywhere, card section included, still fails.
+    result = forge(epsilon_with_audit=figure.epsilon_release)
+    assert not result.ok
+    assert any("audits[0]: epsilon_with_audit/delta_with_audit" in p and "compose to" in p for p in result.problems)
+    # Hiding that the input audit trained on the private data.
+    result = forge(
+        private_data_used=False, epsilon_with_audit=figure.epsilon_release, delta_with_audit=figure.delta_release
+    )
+    assert any("audits[0]: private_data_used: a input audit trains on the private data" in p for p in result.problems)
+    # A release figure that is not the guarantee's (composed consistently with it).
+    result = forge(epsilon_release=1.0, epsilon_with_audit=1.0 + figure.epsilon_claimed)
+    assert any(
+        f"audits[0]: epsilon_release 1.0 but the 'pretraining' guarantee states {guarantee.epsilon!r}" in p
+        for p in result.problems
+    )
+    result = forge(delta_release=1e-9, delta_with_audit=1e-9 + figure.delta)
+    assert any("audits[0]: delta_release 1e-09 but the 'pretraining' guarantee states" in p for p in result.problems)
+    # The card's audit section is re-rendered from privacy.json.
+    (release / "privacy.json").write_text(json.dumps(after))
+    (release / "README.md").write_text(card.replace(total, "(0.1, 1e-09)"))
+    result = verify_folder(release)
+    assert any("the audit section differs" in p for p in result.problems)
+    assert render_audit_section(after["audits"]) in card
+    assert ModelCard.load(release / "README.md").data.to_dict()["differential_privacy"]["audits"] == after["audits"]

@@ -30,7 +30,7 @@ from dpbert.privacy.accounting import PrivacyLedger
 from dpbert.privacy.schedule import BatchSchedule, Stage
 from dpbert.release import card
 from dpbert.release.card import CardInfo, front_matter, render_card, with_audits
-from dpbert.release.metadata import Guarantee, ReleaseMetadata, recompute_epsilon
+from dpbert.release.metadata import AuditedFigure, Guarantee, ReleaseMetadata, recompute_epsilon
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL_CARDS = ROOT / "model_cards"
@@ -339,22 +339,45 @@ def glue_sst2_dp() -> tuple[ReleaseMetadata, CardInfo]:
     return meta, info
 
 
-AUDIT = {
-    "scope": "pretraining",
-    "kind": "gradient",
-    "epsilon_claimed": 3.2109,
-    "epsilon_release": EPS_TINY,
-    "delta": 1e-6,
-    "epsilon_lower_bound": 0.52,
-    "confidence": 0.95,
-    "num_canaries": 10000,
-    "num_guesses": 512,
-    "num_correct": 331,
-    "date": "2026-01-15T12:00:00+00:00",
-    "recipe": "recipes/tiny.yaml",
-    "method": "one-run audit (Steinke, Nasr, Jagielski 2023)",
-    "meaning": "empirical lower bound on epsilon, valid at the stated confidence; not a privacy guarantee",
-}
+def audits(release_delta: float) -> list[dict[str, Any]]:
+    """A gradient audit (spends nothing on the private data) and an input audit (a second DP run on it)
+    of the tiny release, as `dpbert audit --card` states them."""
+    common = dict(
+        scope="pretraining",
+        epsilon_release=EPS_TINY,
+        delta_release=release_delta,
+        confidence=0.95,
+        num_canaries=10000,
+        date="2026-01-15T12:00:00+00:00",
+        recipe="recipes/tiny.yaml",
+    )
+    gradient = AuditedFigure(
+        kind="gradient",
+        epsilon_claimed=3.2109,
+        delta=1e-6,
+        private_data_used=False,
+        epsilon_with_audit=EPS_TINY,
+        delta_with_audit=release_delta,
+        epsilon_lower_bound=0.52,
+        num_guesses=512,
+        num_correct=331,
+        **common,
+    )
+    claimed, delta = 3.2, 1.1e-6
+    inputs = AuditedFigure(
+        kind="input",
+        epsilon_claimed=claimed,
+        delta=delta,
+        private_data_used=True,
+        epsilon_with_audit=EPS_TINY + claimed,
+        delta_with_audit=release_delta + delta,
+        epsilon_lower_bound=0.0,
+        num_guesses=20,
+        num_correct=11,
+        **common,
+    )
+    return [gradient.to_dict(), inputs.to_dict()]
+
 
 CASES = {
     "tiny-dp": tiny_dp,
@@ -371,7 +394,8 @@ def render_goldens() -> dict[str, str]:
         meta, info = build()
         out[f"{name}/README.md"] = render_card(meta, info)
         out[f"{name}/privacy.json"] = json.dumps(meta.to_dict(), indent=2, sort_keys=False) + "\n"
-    out["tiny-dp-audited/README.md"] = with_audits(out["tiny-dp/README.md"], [AUDIT])
+    meta, _ = tiny_dp()
+    out["tiny-dp-audited/README.md"] = with_audits(out["tiny-dp/README.md"], audits(meta.guarantees[0].total_delta))
     return out
 
 

@@ -15,11 +15,13 @@ sibling, verified, then renamed into place; on any error the release is untouche
 does not verify before, or would not verify after, is refused; an audit is refused for a scope the
 release does not have, for a non-private guarantee (there is no claim to audit), and when the audit
 run's claimed epsilon is not within `EPSILON_RTOL` of the release's (a different privacy plan).
+An input audit trains a second model on the same private data: its figure states the audit run's
+own guarantee and the release's together with it (`AuditedFigure`); the release's stated guarantee
+covers the released weights and does not change (the audit model is never released).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import os
@@ -30,66 +32,23 @@ from typing import Any
 
 from dpbert.atomic import replace_dir, write_json, write_text
 from dpbert.release.card import CARD_FILE, with_audits
-from dpbert.release.metadata import PRIVACY_FILE, guarantees_from_json, read_privacy_json
+from dpbert.release.metadata import (
+    AUDIT_KINDS_ON_PRIVATE_DATA,
+    AUDITS_KEY,
+    PRIVACY_FILE,
+    AuditedFigure,
+    Guarantee,
+    guarantees_from_json,
+    read_privacy_json,
+)
 from dpbert.release.verify import verify_folder
 
-AUDITS_KEY = "audits"
-METHOD = "one-run audit (Steinke, Nasr, Jagielski 2023)"
-MEANING = "empirical lower bound on epsilon, valid at the stated confidence; not a privacy guarantee"
-KINDS = ("input", "gradient")
 # Canaries join the audit run's dataset, so its claimed epsilon differs slightly from the release's;
 # more than this means the audit measured a different privacy plan.
 EPSILON_RTOL = 0.1
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class AuditedFigure:
-    """One audit result as a release states it.
-
-    `epsilon_claimed` is the audit run's own claim at `delta` (the ledger delta plus any truncation
-    delta); `epsilon_release` the release guarantee's epsilon for `scope`; `epsilon_lower_bound`
-    holds with probability >= `confidence`. `date` is the audit's UTC time (ISO 8601).
-    """
-
-    scope: str
-    kind: str
-    epsilon_claimed: float
-    epsilon_release: float
-    delta: float
-    epsilon_lower_bound: float
-    confidence: float
-    num_canaries: int
-    num_guesses: int
-    num_correct: int
-    date: str
-    recipe: str
-    method: str = METHOD
-    meaning: str = MEANING
-
-    def __post_init__(self) -> None:
-        if self.kind not in KINDS:
-            raise ValueError(f"kind: expected one of {list(KINDS)}, got {self.kind!r}")
-        for name in ("epsilon_claimed", "epsilon_release", "epsilon_lower_bound"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int | float) or not 0 <= v < math.inf:
-                raise ValueError(f"{name}: expected a finite number >= 0, got {v!r}")
-        if not 0 < self.delta < 1:
-            raise ValueError(f"delta: expected a probability in (0, 1), got {self.delta!r}")
-        if not 0 < self.confidence < 1:
-            raise ValueError(f"confidence: expected a number in (0, 1), got {self.confidence!r}")
-        if not 0 <= self.num_correct <= self.num_guesses <= self.num_canaries:
-            raise ValueError(
-                "num_correct/num_guesses/num_canaries: expected 0 <= num_correct <= num_guesses <= "
-                f"num_canaries, got {self.num_correct}, {self.num_guesses}, {self.num_canaries}"
-            )
-        if not self.date:
-            raise ValueError("date: expected the audit's UTC time (ISO 8601), got an empty string")
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-
-def figure_from_report(report: Mapping[str, Any], *, epsilon_release: float, scope: str, where: str) -> AuditedFigure:
+def figure_from_report(report: Mapping[str, Any], *, guarantee: Guarantee, where: str) -> AuditedFigure:
     """An `AuditedFigure` from an audit.json object (`dpbert.train.audit.AuditReport.to_dict()`)."""
     if report.get("audit") is not True:
         raise ValueError(f"{where}: not a dpbert audit result (expected 'audit': true)")
@@ -111,13 +70,20 @@ def figure_from_report(report: Mapping[str, Any], *, epsilon_release: float, sco
     ]
     if missing:
         raise ValueError(f"{where}: missing {', '.join(missing)} (rerun `dpbert audit` to write a complete audit.json)")
+    used = report["kind"] in AUDIT_KINDS_ON_PRIVATE_DATA
+    release_delta = guarantee.total_delta or 0.0
     try:
+        epsilon_claimed, delta = float(report["epsilon_claimed"]), float(report["delta"])
         return AuditedFigure(
-            scope=scope,
+            scope=guarantee.scope,
             kind=report["kind"],
-            epsilon_claimed=float(report["epsilon_claimed"]),
-            epsilon_release=epsilon_release,
-            delta=float(report["delta"]),
+            epsilon_claimed=epsilon_claimed,
+            delta=delta,
+            epsilon_release=guarantee.epsilon,
+            delta_release=release_delta,
+            private_data_used=used,
+            epsilon_with_audit=guarantee.epsilon + (epsilon_claimed if used else 0.0),
+            delta_with_audit=release_delta + (delta if used else 0.0),
             epsilon_lower_bound=float(report["epsilon_lower_bound"]),
             confidence=float(report["confidence"]),
             num_canaries=int(report["num_canaries"]),
@@ -159,7 +125,7 @@ def add_audit(
         raise ValueError(
             f"scope: the release's '{scope}' guarantee is not private (epsilon infinity): nothing to audit"
         )
-    figure = figure_from_report(report, epsilon_release=guarantee.epsilon, scope=scope, where=where)
+    figure = figure_from_report(report, guarantee=guarantee, where=where)
     if not math.isclose(figure.epsilon_claimed, guarantee.epsilon, rel_tol=EPSILON_RTOL):
         raise ValueError(
             f"{where}: epsilon_claimed {figure.epsilon_claimed:.6g} is not within {EPSILON_RTOL:.0%} of the "

@@ -431,8 +431,15 @@ def card_sections(body: str) -> list[tuple[str, str]]:
 
 
 def render_audit_section(audits: Sequence[Mapping[str, Any]]) -> str:
-    """The audit section between (and with) its markers, as `with_audits` writes it."""
-    section = _environment().get_template(AUDIT_TEMPLATE).render(audits=list(audits))
+    """The audit section between (and with) its markers, as `with_audits` writes it; it states per
+    scope the private data's total loss with every audit's result (basic composition)."""
+    totals: dict[str, list[float]] = {}
+    for a in audits:
+        total = totals.setdefault(a["scope"], [a["epsilon_release"], a["delta_release"]])
+        if a["private_data_used"]:
+            total[0] += a["epsilon_claimed"]
+            total[1] += a["delta"]
+    section = _environment().get_template(AUDIT_TEMPLATE).render(audits=list(audits), totals=totals)
     return f"{AUDIT_BEGIN}\n{section.rstrip()}\n{AUDIT_END}\n\n"
 
 

@@ -446,6 +446,22 @@ class Guarantee:
         return 0.0 if self.ledger is None or not self.private else recompute_truncation_delta(self.ledger)
 
     @property
+    def noise_tail_delta(self) -> float:
+        """The noise record's tail bound when it says the bound is added to delta, else 0."""
+        tail = (self.noise or {}).get("tail_bound")
+        if not isinstance(tail, int | float) or "not added" in str((self.noise or {}).get("tail_bound_below") or ""):
+            return 0.0
+        return float(tail)
+
+    @property
+    def total_delta(self) -> float | None:
+        """The delta the guarantee holds at: the ledger's, plus truncation, plus a DP vocabulary's
+        selection, plus the noise's tail bound when added (`noise_tail_delta`)."""
+        if self.ledger is None:
+            return None
+        return float(self.ledger["delta"]) + self.truncation_delta + self.selection_delta + self.noise_tail_delta
+
+    @property
     def vocabulary(self) -> Mapping[str, Any] | None:
         """The ledger's DP vocabulary event (`VocabularyEvent` fields), or None."""
         return None if self.ledger is None else self.ledger.get("vocabulary")
@@ -799,3 +815,122 @@ def metadata_from_json(data: Mapping[str, Any], where: str) -> ReleaseMetadata:
         )
     except ValueError as err:
         raise ValueError(f"{where}: {err}") from err
+
+
+AUDITS_KEY = "audits"
+AUDIT_METHOD = "one-run audit (Steinke, Nasr, Jagielski 2023)"
+AUDIT_MEANING = "empirical lower bound on epsilon, valid at the stated confidence; not a privacy guarantee"
+AUDIT_KINDS = ("input", "gradient")
+# Canary kinds whose audit run trains on the private data (a second DP mechanism on it); gradient
+# canaries are crafted gradients through the DP step and read nothing of the data but its public N.
+AUDIT_KINDS_ON_PRIVATE_DATA = ("input",)
+AUDIT_COMPOSITION = "basic composition: epsilons and deltas of the release and the audit run add up"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class AuditedFigure:
+    """One audit result as a release states it, with the privacy the audit itself spent.
+
+    `epsilon_claimed` is the audit run's own guarantee at `delta`; `epsilon_lower_bound` holds with
+    probability >= `confidence`. `epsilon_release`/`delta_release` are the release guarantee of
+    `scope`. An audit run that trained on the private data (`private_data_used`, input canaries) is a
+    second DP mechanism on it, and its published result is covered by its own guarantee: the release
+    and its audited figure together are (`epsilon_with_audit`, `delta_with_audit`)-DP, the sums
+    (basic composition); a gradient audit spends nothing, so they equal the release's. Construction
+    refuses figures whose composition does not add up. `date` is the audit's UTC time (ISO 8601).
+    """
+
+    scope: str
+    kind: str
+    epsilon_claimed: float
+    delta: float
+    epsilon_release: float
+    delta_release: float
+    private_data_used: bool
+    epsilon_with_audit: float
+    delta_with_audit: float
+    epsilon_lower_bound: float
+    confidence: float
+    num_canaries: int
+    num_guesses: int
+    num_correct: int
+    date: str
+    recipe: str
+    composition: str = AUDIT_COMPOSITION
+    method: str = AUDIT_METHOD
+    meaning: str = AUDIT_MEANING
+
+    def __post_init__(self) -> None:
+        if self.kind not in AUDIT_KINDS:
+            raise ValueError(f"kind: expected one of {list(AUDIT_KINDS)}, got {self.kind!r}")
+        for name in ("epsilon_claimed", "epsilon_release", "epsilon_with_audit", "epsilon_lower_bound"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int | float) or not 0 <= v < math.inf:
+                raise ValueError(f"{name}: expected a finite number >= 0, got {v!r}")
+        for name in ("delta", "delta_release", "delta_with_audit"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int | float) or not 0 < v < 1:
+                raise ValueError(f"{name}: expected a probability in (0, 1), got {v!r}")
+        if not 0 < self.confidence < 1:
+            raise ValueError(f"confidence: expected a number in (0, 1), got {self.confidence!r}")
+        if not 0 <= self.num_correct <= self.num_guesses <= self.num_canaries:
+            raise ValueError(
+                "num_correct/num_guesses/num_canaries: expected 0 <= num_correct <= num_guesses <= "
+                f"num_canaries, got {self.num_correct}, {self.num_guesses}, {self.num_canaries}"
+            )
+        if not self.date:
+            raise ValueError("date: expected the audit's UTC time (ISO 8601), got an empty string")
+        used = self.kind in AUDIT_KINDS_ON_PRIVATE_DATA
+        if self.private_data_used is not used:
+            raise ValueError(
+                f"private_data_used: a {self.kind} audit {'trains' if used else 'does not train'} on the "
+                f"private data, so expected {used}, got {self.private_data_used!r}"
+            )
+        expected = self.composed(self.epsilon_release, self.delta_release)
+        stated = (self.epsilon_with_audit, self.delta_with_audit)
+        if not all(math.isclose(a, b, rel_tol=1e-9) for a, b in zip(stated, expected, strict=True)):
+            raise ValueError(
+                f"epsilon_with_audit/delta_with_audit: {stated[0]!r}, {stated[1]!r} but the release "
+                f"({self.epsilon_release!r}, {self.delta_release!r}) "
+                + (f"and the audit run ({self.epsilon_claimed!r}, {self.delta!r}) " if used else "")
+                + f"compose to {expected[0]!r}, {expected[1]!r} ({self.composition})"
+            )
+
+    def composed(self, epsilon_release: float, delta_release: float) -> tuple[float, float]:
+        """(epsilon, delta) of a release at (`epsilon_release`, `delta_release`) together with this
+        audit's published result."""
+        if self.kind not in AUDIT_KINDS_ON_PRIVATE_DATA:
+            return epsilon_release, delta_release
+        return epsilon_release + self.epsilon_claimed, delta_release + self.delta
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def audit_problems(audits: Any, guarantees: Sequence[Guarantee], where: str, rtol: float) -> list[str]:
+    """What is wrong with the `audits` list of a privacy.json, given its (recomputed) guarantees: each
+    entry must parse as an `AuditedFigure` and state its scope's release epsilon and delta."""
+    if audits is None:
+        return []
+    if not isinstance(audits, list):
+        return [f"{where}: {AUDITS_KEY}: expected a list of audited figures, got {type(audits).__name__}"]
+    by_scope = {g.scope: g for g in guarantees}
+    problems = []
+    for i, entry in enumerate(audits):
+        field = f"{where}: {AUDITS_KEY}[{i}]"
+        try:
+            figure = AuditedFigure(**entry)
+        except (TypeError, ValueError) as err:
+            problems.append(f"{field}: {err}")
+            continue
+        g = by_scope.get(figure.scope)
+        if g is None or not g.private:
+            problems.append(f"{field}: scope {figure.scope!r} has no private guarantee to audit")
+            continue
+        for name, stated, actual in (
+            ("epsilon_release", figure.epsilon_release, g.epsilon),
+            ("delta_release", figure.delta_release, g.total_delta),
+        ):
+            if not math.isclose(stated, actual, rel_tol=rtol):
+                problems.append(f"{field}: {name} {stated!r} but the '{figure.scope}' guarantee states {actual!r}")
+    return problems

@@ -59,7 +59,9 @@
    was (`vocabulary.learned_from_private_data` without a DP event) carrying them fails.
 
 Missing metadata is a failure, named by file. Audited figures (empirical lower bounds,
-`dpbert.release.audited`) are not guarantees and are not recomputed. What `verify` cannot prove: that
+`dpbert.release.audited`) are not guarantees: their lower bounds are not recomputed, but each must
+state its scope's release epsilon and delta and add up to its stated composition with the audit
+run's own guarantee (`dpbert.release.metadata.AuditedFigure`). What `verify` cannot prove: that
 the weights were really produced by this recipe on this data with secret noise, or that the declared
 numbers (N, the bound on stored units, the per-document cap, a declared-public tokenizer) are true of
 the data. It checks that the published claims are consistent, not how training ran
@@ -108,6 +110,7 @@ from dpbert.release.card import (
     render_section,
 )
 from dpbert.release.metadata import (
+    AUDITS_KEY,
     NEVER_RELEASED,
     PRIVACY_FILE,
     PRIVACY_UNIT,
@@ -116,6 +119,7 @@ from dpbert.release.metadata import (
     UNKNOWN,
     Guarantee,
     ReleaseMetadata,
+    audit_problems,
     document_group_epsilon,
     epsilon_from_json,
     guarantees_from_json,
@@ -372,14 +376,12 @@ def _total_delta_problems(field: str, g: Guarantee) -> list[str]:
     if not isinstance(n, int) or n < 1:
         return []
     delta, truncation, selection = float(ledger["delta"]), g.truncation_delta, g.selection_delta
-    tail = (g.noise or {}).get("tail_bound")
-    added = _is_number(tail) and "not added" not in str((g.noise or {}).get("tail_bound_below") or "")
-    total = delta + truncation + selection + (float(tail) if added else 0.0)
+    total, tail = float(g.total_delta or 0.0), g.noise_tail_delta
     if total < 1 / n:
         return []
     parts = f"delta {delta:g} + truncation {truncation:.3g} + vocabulary selection {selection:g}"
-    if added:
-        parts += f" + noise tail {float(tail):.3g}"
+    if tail:
+        parts += f" + noise tail {tail:.3g}"
     return [
         f"{field}: total delta {total:.3g} ({parts}) is not below 1/N = 1/{n} (a delta this large allows "
         "publishing an example outright)"
@@ -915,6 +917,8 @@ def verify_folder(folder: str | Path, *, rtol: float = DEFAULT_RTOL) -> Verifica
             f"{where}: public_inputs: {data.get('public_inputs')!r} but the rest of {PRIVACY_FILE} states "
             f"{meta.public_inputs()!r}"
         )
+
+    problems += audit_problems(data.get(AUDITS_KEY), guarantees, where, rtol)
 
     # 8-9: the card and config.json
     if not card_path.is_file():
