@@ -142,11 +142,9 @@ def test_a_declared_dataset_size_is_checked_even_with_fixed_noise(hf_model_dir: 
             stage["sampling_rate"] = stage["expected_batch_size"] / 10_000
 
     out = _rewrite(release, tmp_path / "r", edit=inflate)
-    # The rebuild takes the ledger's N as the store's count (`plan_recipe`): above the declared N's bound.
+    # The forged N is named against the recipe's declaration.
     assert _problems(out) == (
-        f"{out / 'privacy.json'}: recipe.content: its privacy plan cannot be rebuilt for N = 10000 (the token store "
-        "holds more training sequences than the public bound 1250 (1.25 x N) for which the truncation of the Poisson "
-        "sample is accounted; declare a larger 'privacy.dataset_size' or 'privacy.dataset_size_bound')",
+        f"{out / 'privacy.json'}: ledger.dataset_size: 10000 but recipe.content declares privacy.dataset_size 1000",
     )
 
 

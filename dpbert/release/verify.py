@@ -407,8 +407,13 @@ def _rebuilt_pretraining(content: str, dataset_size: int) -> tuple[str, int]:
         raise _NotRebuildable(f"recipe.content: not a pretraining recipe ({err})") from None
     if not recipe.privacy.enabled:
         raise _NotRebuildable("recipe.content: privacy.enabled is false, yet the release carries a private ledger")
-    # The ledger's N stands for the store's count: rounding it again gives it back (plan_recipe is
-    # the builder the run used).
+    declared = recipe.privacy.dataset_size
+    if declared is not None and declared != dataset_size:
+        raise _NotRebuildable(
+            f"ledger.dataset_size: {dataset_size} but recipe.content declares privacy.dataset_size {declared}"
+        )
+    # Otherwise the ledger's N stands for the store's count: rounding it again gives it back
+    # (plan_recipe is the builder the run used).
     try:
         plan = plan_recipe(recipe, dataset_size)
     except ValueError as err:
