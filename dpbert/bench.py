@@ -56,10 +56,10 @@ from dpbert.model import functional
 from dpbert.model.bert import BertForMaskedLM
 from dpbert.model.ghost import MLMGhostLoss
 from dpbert.privacy.clipping import grad_sum
-from dpbert.privacy.dp_step import make_dp_train_step, make_train_step
+from dpbert.privacy.dp_step import clipped_sum_for, make_dp_train_step, make_train_step
 from dpbert.privacy.noise import privatize
 from dpbert.privacy.randomness import noise_key, step_key
-from dpbert.privacy.tuning import clipped_sum_for, fastest_microbatch_size, peak_bytes
+from dpbert.privacy.tuning import fastest_microbatch_size, peak_bytes
 from dpbert.train.device import ACCELERATOR_MICROBATCH_SIZES, is_accelerator
 
 SEQ_LEN = 128

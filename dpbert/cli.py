@@ -2,8 +2,8 @@
 
 Each `_add_<name>` function below declares one subcommand's flags and binds the library
 function that does the work; nothing here computes anything itself. Each subcommand imports its
-library when it runs (`# deferred` below): importing them all takes 5 s (the trainer 3.3 s, the demo's
-gradio 1.7 s, measured), while `dpbert --help` and the light subcommands start in 0.03 s.
+library when it runs (`# deferred` below), so that `dpbert --help` and the light subcommands start
+at once (docs/RESULTS.md, "Design measurements").
 """
 
 from __future__ import annotations
@@ -98,7 +98,9 @@ def _pretrain(args: argparse.Namespace) -> int:
     """`dpbert pretrain`: starts jax.distributed first when asked, explicitly
     (--coordinator-address/--num-processes/--process-id) or auto-detected from the cluster
     environment (--distributed), then runs the recipe."""
-    from dpbert.privacy.planner import quiet_accountant_warnings  # deferred: per subcommand, see the module docstring
+    from dpbert.privacy.batch_sizes import (
+        quiet_accountant_warnings,  # deferred: per subcommand, see the module docstring
+    )
     from dpbert.train import distributed  # deferred: per subcommand, see the module docstring
     from dpbert.train.pretrain import pretrain  # deferred: per subcommand, see the module docstring
 
@@ -502,14 +504,12 @@ def _add_account(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
     def run(args: argparse.Namespace) -> int:
-        from dpbert.train import privacy_report  # deferred: per subcommand, see the module docstring
+        from dpbert.train import account  # deferred: per subcommand, see the module docstring
 
         if args.recipe:
-            ledger = privacy_report.ledger_from_recipe(
-                args.recipe, overrides=args.set or (), dataset_size=args.dataset_size
-            )
+            ledger = account.ledger_from_recipe(args.recipe, overrides=args.set or (), dataset_size=args.dataset_size)
         else:
-            ledger = privacy_report.ledger_for_schedule(
+            ledger = account.ledger_for_schedule(
                 _schedule_from_flags(args),
                 dataset_size=args.dataset_size,
                 delta=args.delta,
@@ -518,7 +518,7 @@ def _add_account(sub: argparse._SubParsersAction) -> None:
                 target_epsilon=args.target_epsilon,
                 per_stage=args.per_stage,
             )
-        print(privacy_report.account_report(ledger, as_json=args.json))
+        print(account.account_report(ledger, as_json=args.json))
         return 0
 
     p.set_defaults(func=run)
@@ -596,14 +596,14 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
         "--min-steps",
         type=int,
         default=None,
-        help="fewest steps a recommended batch may leave (default: dpbert.privacy.planner.DEFAULT_MIN_STEPS)",
+        help="fewest steps a recommended batch may leave (default: dpbert.privacy.batch_sizes.DEFAULT_MIN_STEPS)",
     )
     p.add_argument(
         "--min-gain",
         type=float,
         default=None,
         help="smallest cut of sigma/sqrt(B) per doubling of B "
-        "worth halving the steps (default: dpbert.privacy.planner.DEFAULT_MIN_GAIN)",
+        "worth halving the steps (default: dpbert.privacy.batch_sizes.DEFAULT_MIN_GAIN)",
     )
     p.add_argument(
         "--unit",
@@ -620,30 +620,30 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
     def run(args: argparse.Namespace) -> int:
-        from dpbert.privacy import planner  # deferred: per subcommand, see the module docstring
+        from dpbert.privacy import batch_sizes  # deferred: per subcommand, see the module docstring
 
         if args.max_sequences_per_document is not None and args.unit != "document":
             raise ValueError(
                 f"--max-sequences-per-document {args.max_sequences_per_document} needs --unit document "
                 f"(got --unit {args.unit}): a sequence unit has no per-document cap"
             )
-        planner.quiet_accountant_warnings()
-        plan = planner.plan_batch_sizes(
+        batch_sizes.quiet_accountant_warnings()
+        plan = batch_sizes.plan_batch_sizes(
             dataset_size=args.dataset_size,
             target_epsilon=args.target_epsilon,
             delta=args.delta,
             examples=args.examples,
             steps=args.steps,
-            batch_sizes=planner.DEFAULT_BATCH_SIZES
+            batch_sizes=batch_sizes.DEFAULT_BATCH_SIZES
             if args.batch_sizes is None
             else _flag_list(args.batch_sizes, "batch-sizes", int),
             accountant=args.accountant,
-            min_steps=planner.DEFAULT_MIN_STEPS if args.min_steps is None else args.min_steps,
-            min_gain=planner.DEFAULT_MIN_GAIN if args.min_gain is None else args.min_gain,
+            min_steps=batch_sizes.DEFAULT_MIN_STEPS if args.min_steps is None else args.min_steps,
+            min_gain=batch_sizes.DEFAULT_MIN_GAIN if args.min_gain is None else args.min_gain,
             unit=args.unit,
             max_sequences_per_document=args.max_sequences_per_document,
         )
-        print(json.dumps(plan.to_dict()) if args.json else planner.format_plan(plan))
+        print(json.dumps(plan.to_dict()) if args.json else batch_sizes.format_plan(plan))
         return 0
 
     p.set_defaults(func=run)
@@ -664,7 +664,7 @@ def _add_sweep(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--progress", action="store_true", help="show each arm's progress bar")
 
     def run(args: argparse.Namespace) -> int:
-        from dpbert.privacy.planner import (
+        from dpbert.privacy.batch_sizes import (
             quiet_accountant_warnings,
         )  # deferred: per subcommand, see the module docstring
         from dpbert.train.sweep import run_sweep  # deferred: per subcommand, see the module docstring

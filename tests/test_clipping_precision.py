@@ -1,4 +1,4 @@
-"""The clipping bound holds in the arithmetic accelerators run (DESIGN rule 8): with bfloat16
+"""The clipping bound holds in the arithmetic accelerators run (rule 8 of `dpbert.privacy`): with bfloat16
 compute, every example's contribution to the clipped sum has norm <= C, on CPU and with an
 accelerator's default matmul precision emulated (one-pass bfloat16 or TF32 operands for every
 contraction not asked for at HIGHEST); and every float32 contraction of both clipping paths is

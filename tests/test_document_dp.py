@@ -315,7 +315,7 @@ print(json.dumps(out))
 
 
 def test_document_step_is_the_same_on_any_mesh_and_micro_batch():
-    """Documents as units keep rule 2: the update (noise included) is the same for any micro-batch
+    """Documents as units keep rule 2 of `dpbert.privacy`: the update (noise included) is the same for any micro-batch
     size and on 4 devices (fresh interpreter: the device count is fixed when jax starts)."""
     import json
     import os

@@ -16,9 +16,8 @@ from dpbert.model import functional
 from dpbert.model.bert import BertForMaskedLM, BertForSequenceClassification
 from dpbert.model.ghost import ClassifierGhostLoss, MLMGhostLoss
 from dpbert.privacy.clipping import clipped_grad_sum
-from dpbert.privacy.dp_step import make_dp_train_step
+from dpbert.privacy.dp_step import clipped_sum_for, make_dp_train_step
 from dpbert.privacy.ghost_clipping import ghost_clipped_grad_sum, ghost_sq_norms
-from dpbert.privacy.tuning import clipped_sum_for
 
 V, L, P, B, MB = 61, 12, 4, 6, 3
 

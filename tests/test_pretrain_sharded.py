@@ -99,7 +99,7 @@ def test_the_comparison_is_not_vacuous(runs):
     root, _ = runs
     from dpbert.config.recipe import load_recipe
     from dpbert.train.mesh import make_mesh
-    from dpbert.train.model_state import (
+    from dpbert.train.state import (
         abstract_state,
         bert_config,
         init_state,

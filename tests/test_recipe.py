@@ -117,7 +117,7 @@ def test_remat_and_layer_mode_reach_the_model_and_the_clipped_loss():
 
     from dpbert.train.mesh import make_mesh
     from dpbert.train.mlm import make_mlm_loss
-    from dpbert.train.model_state import abstract_state, bert_config, make_optimizer
+    from dpbert.train.state import abstract_state, bert_config, make_optimizer
 
     raw = {
         **MINIMAL,

@@ -1,4 +1,4 @@
-"""A vocabulary's origin is never assumed (rule 9): packaged names are public, a folder gets the
+"""A vocabulary's origin is never assumed (rule 9 of `dpbert.privacy`): packaged names are public, a folder gets the
 origin dpbert recorded in it, a folder of unknown origin is refused unless the recipe declares it
 public, and no origin sentence holds a machine path."""
 

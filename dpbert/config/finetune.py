@@ -21,7 +21,7 @@ import os
 from collections.abc import Iterable
 from typing import Any, Literal
 
-from dpbert.config.finetune_plan import derive_dp_defaults
+from dpbert.config.finetune_defaults import derive_dp_defaults
 from dpbert.config.plan import MAX_STORE_FACTOR, truncation_overflow_bound
 from dpbert.config.recipe import RecipeError, _check, apply_overrides, parse_section, read_yaml
 from dpbert.model.lora import LoRAConfig
@@ -38,7 +38,7 @@ class OptimConfig:
     """One training mode's hyper-parameters. For DP, `batch_size` is the *expected* batch size
     of Poisson sampling, capped at n // 4 so a small task still gets >= 4 steps per epoch;
     `learning_rate`, `batch_size` and `epochs` may be null in the DP section: derived from n
-    and epsilon (`dpbert.config.finetune_plan`). `dropout: null` keeps the checkpoint's dropout
+    and epsilon (`dpbert.config.finetune_defaults`). `dropout: null` keeps the checkpoint's dropout
     rates; a number sets the hidden and attention dropout (DP fine-tuning works better without
     dropout, Li et al. 2021)."""
 
@@ -79,7 +79,7 @@ class PrivacyConfig:
     count rounded down to 2 significant digits); every training example is sampled at q, and a
     task with more examples than `dataset_size_bound` (null: 1.25 N) is refused, as in
     pretraining. `delta: null` means 1/N^1.1; `clip_norm: null` is derived
-    (`dpbert.config.finetune_plan`)."""
+    (`dpbert.config.finetune_defaults`)."""
 
     epsilon: float = 8.0
     delta: float | None = None
@@ -137,7 +137,7 @@ class FinetuneConfig:
     `lora`; `eval_every_epochs`: evaluate after every k-th epoch (and always at the end).
     `train_pooler`: whether the head includes the pooler's kernel under `bias`, `lora` and
     `head` (null: only when the checkpoint has no pretrained pooler). Default true: a pretrained
-    pooler was trained for another objective, if at all (see `dpbert.config.finetune_plan`).
+    pooler was trained for another objective, if at all (see `dpbert.config.finetune_defaults`).
     """
 
     dp: bool = False

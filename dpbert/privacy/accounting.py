@@ -154,8 +154,15 @@ def compute_epsilon(
     pld_discretization: float = PLD_DISCRETIZATION,
     extra_event: dp_accounting.DpEvent | None = None,
 ) -> float:
-    """Epsilon of the whole schedule at `delta` (inf when some stage has noise_multiplier 0),
-    composed after `extra_event` when given (a DP vocabulary's `VocabularyEvent.event()`)."""
+    """Epsilon of a Poisson-sampled Gaussian schedule, add-or-remove one unit.
+
+    Args:
+      schedule: the stages (expected batch, steps, noise multiplier each).
+      dataset_size: the public N (q = B / N per stage).
+      delta: the target delta; accountant: "pld" or "rdp" (`dp_accounting`).
+      extra_event: a mechanism composed before training (a DP vocabulary's event).
+    Returns:
+      epsilon at `delta` (inf when some stage has noise multiplier 0)."""
     _check_delta(delta)
     _check_accountant(accountant)
     event = schedule_event(schedule, dataset_size)
@@ -229,8 +236,11 @@ def calibrate_noise_multiplier(
     rtol: float = 1e-3,
     extra_event: dp_accounting.DpEvent | None = None,
 ) -> BatchSchedule:
-    """The schedule (its noise multipliers replaced) that meets `target_epsilon` at `delta`,
-    composed after `extra_event` when given (what a DP vocabulary spent before training).
+    """The schedule with its noise multipliers replaced so that it meets `target_epsilon` at
+    `delta`, composed after `extra_event` when given (what a DP vocabulary spent before training).
+
+    Args: as `compute_epsilon`, plus `target_epsilon`, `per_stage` and `rtol` (below).
+    Returns: the calibrated `BatchSchedule`; ValueError when no multiplier meets the target.
 
     per_stage=False: the smallest single noise multiplier shared by every stage (within a
     relative `rtol`). per_stage=True: one multiplier per stage such that every stage alone has

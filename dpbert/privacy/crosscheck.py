@@ -15,8 +15,7 @@ minimum over), so that a difference points at the mapping of the schedule, not a
 The batch sizes are given to `DpParams` as Python integers (its documented `batch_sizes` pairs)
 rather than through `batch_size_scale_schedule`: jax-privacy 2.0 evaluates that schedule with optax in
 float32 jax arrays, and `dp_accounting` then computes the PLD of a float32-array sampling rate in
-float32 (measured on the BERT-Large recipe: epsilon 19.3 instead of 5.35; for one stage, 0.429 instead
-of 0.377). Truncation to a physical batch size is not passed: dpbert accounts for it in delta
+float32 (on the BERT-Large recipe a far larger epsilon: docs/RESULTS.md, "Design measurements"). Truncation to a physical batch size is not passed: dpbert accounts for it in delta
 (`PrivacyLedger.truncation_delta`), not in epsilon.
 
 `jax_privacy_user_level_epsilon(ledger, group_size=None)`: jax-privacy's user-level DP-SGD accountant

@@ -3,12 +3,14 @@
 `make_dp_train_step(...)` returns `step(params, opt_state, batch, is_padding, step_key)
 -> (params, opt_state, metrics)`:
   1. per-example keys come from fold_in(step_key, EXAMPLE) and the global row position;
-  2. the clipped gradient sum over the physical batch (micro-batches scanned on each device;
-     with a mesh, each device sums its shard and one `psum` makes the global sum);
-  3. noise N(0, (sigma*C)^2) once on the global sum with fold_in(step_key, NOISE), then
-     division by the expected batch size;
-  4. an optax update (any GradientTransformation; `default_optimizer` is AdamW with decoupled
-     weight decay, which Anil et al. found to work well under DP).
+  2. the clipped gradient sum over the physical batch (each example clipped to C by the
+     recipe's method, `clipped_sum_for`: vmap per-example gradients or ghost norms; micro-batches
+     scanned on each device; with a mesh, each device sums its shard and one `psum` makes the
+     global sum);
+  3. `dp_update`: noise N(0, (sigma*C)^2) once on the global sum with fold_in(step_key, NOISE),
+     division by the expected batch size, and an optax update (`default_optimizer`: AdamW).
+The batch is the Poisson sample of the step (`dpbert.privacy.sampling.poisson_sample`), padded
+to the compiled size; padding rows contribute nothing.
 
 `make_train_step(...)` is the non-private baseline with the same signature: plain gradient
 of the mean loss over the real examples (divided by the realized batch size), no clipping,
@@ -39,12 +41,18 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from dpbert.privacy.clipping import ClipStats, LossFn, grad_sum
+from dpbert.privacy.clipping import ClipStats, LossFn, clipped_grad_sum, grad_sum
+from dpbert.privacy.ghost_clipping import GhostLoss, ghost_clipped_grad_sum
 from dpbert.privacy.noise import check_dp_params, privatize
 from dpbert.privacy.randomness import example_key, noise_key
-from dpbert.privacy.tuning import clipped_sum_for
+from dpbert.privacy.tuning import time_clipping_methods
 
 StepFn = Callable[[Any, Any, Any, jax.Array, jax.Array], tuple[Any, Any, dict[str, jax.Array]]]
+
+
+CLIPPING_METHODS = ("vmap", "ghost", "auto")
+_AUTO_CHOICES: dict[Any, str] = {}
+DataAxis = str | tuple[str, ...]
 
 
 def default_optimizer(
@@ -55,11 +63,56 @@ def default_optimizer(
     b2: float = 0.999,
     eps: float = 1e-8,
 ) -> optax.GradientTransformation:
-    """AdamW with decoupled weight decay (optax.adamw)."""
+    """The optimizer of every dpbert task: AdamW with decoupled weight decay on every trained
+    parameter (optax.adamw; Anil et al. found a large decay helps under DP)."""
     return optax.adamw(learning_rate, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay)
 
 
-DataAxis = str | tuple[str, ...]
+def clipped_sum_for(method: str, loss_fn: Any) -> Callable[..., tuple[Any, ClipStats]]:
+    """The clipped-sum function (signature of `clipping.clipped_grad_sum`) of a clipping method.
+
+    Args:
+      method: "vmap" (per-example gradients, any loss), "ghost" (ghost norms and book-keeping;
+        needs a `GhostLoss`, `dpbert.privacy.ghost_clipping`) or "auto" (for a `GhostLoss`, the
+        faster of the two, timed once per shape on placeholders by
+        `dpbert.privacy.tuning.time_clipping_methods`, never on data; else "vmap").
+      loss_fn: the per-example loss.
+    Returns:
+      `sum(loss, params, batch, is_padding, rng, *, clip_norm, microbatch_size, position_offset=0)`.
+      Every method clips each example to `clip_norm`: the noise and the accounting are the same.
+    """
+    if method not in CLIPPING_METHODS:
+        raise ValueError(f"clipping_method: expected one of {CLIPPING_METHODS}, got {method!r}")
+    ghost_capable = isinstance(loss_fn, GhostLoss)
+    if method == "vmap" or (method == "auto" and not ghost_capable):
+        return clipped_grad_sum
+    if not ghost_capable:
+        raise ValueError(
+            f"clipping_method='ghost' needs a loss with taps (a GhostLoss, dpbert.privacy.ghost_clipping), "
+            f"got {type(loss_fn).__name__}"
+        )
+    if method == "ghost":
+        return ghost_clipped_grad_sum
+
+    def auto(loss, params, batch, is_padding, rng, *, clip_norm, microbatch_size, position_offset=0):
+        shapes = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), (params, batch))
+        signature = (loss, str(shapes), microbatch_size)
+        if signature not in _AUTO_CHOICES:
+            seconds = time_clipping_methods(loss, *shapes, clip_norm=clip_norm, microbatch_size=microbatch_size)
+            _AUTO_CHOICES[signature] = min(seconds, key=seconds.get)
+        impl = ghost_clipped_grad_sum if _AUTO_CHOICES[signature] == "ghost" else clipped_grad_sum
+        return impl(
+            loss,
+            params,
+            batch,
+            is_padding,
+            rng,
+            clip_norm=clip_norm,
+            microbatch_size=microbatch_size,
+            position_offset=position_offset,
+        )
+
+    return auto
 
 
 def _global_sum_fn(
@@ -105,10 +158,36 @@ def _jit(
     )
 
 
-def _apply(optimizer: optax.GradientTransformation, grads: Any, opt_state: Any, params: Any) -> tuple[Any, Any]:
+def apply_update(optimizer: optax.GradientTransformation, grads: Any, opt_state: Any, params: Any) -> tuple[Any, Any]:
+    """(params, opt_state) after one optimizer update with `grads` (cast to the params' dtypes)."""
     grads = jax.tree_util.tree_map(lambda g, p: g.astype(p.dtype), grads, params)
     updates, opt_state = optimizer.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state
+
+
+def dp_update(
+    optimizer: optax.GradientTransformation,
+    clipped_sum: Any,
+    opt_state: Any,
+    params: Any,
+    step_key: jax.Array,
+    *,
+    clip_norm: float,
+    noise_multiplier: float,
+    expected_batch_size: int,
+) -> tuple[Any, Any, Any]:
+    """What a DP step does once per step, after the clipped sum: Gaussian noise N(0, (sigma C)^2)
+    on the global `clipped_sum` from `noise_key(step_key)`, division by the public expected batch
+    size, then the optimizer update. Returns (params, opt_state, noisy gradient)."""
+    grads = privatize(
+        clipped_sum,
+        noise_key(step_key),
+        clip_norm=clip_norm,
+        noise_multiplier=noise_multiplier,
+        expected_batch_size=expected_batch_size,
+    )
+    params, opt_state = apply_update(optimizer, grads, opt_state, params)
+    return params, opt_state, grads
 
 
 def _nonprivate_metrics(stats: ClipStats) -> dict[str, jax.Array]:
@@ -138,17 +217,25 @@ def make_dp_train_step(
 ) -> StepFn:
     """A jitted DP-SGD step for one schedule stage (see the module docstring).
 
-    `clipping_method`: "vmap" (per-example gradients, any loss), "ghost" or "auto" (see
-    `dpbert.privacy.tuning.clipped_sum_for`); it changes speed only, never the noise,
-    the sensitivity or the accounting.
-
-    `loss_fn(params, example, rng) -> scalar` sees one example. The physical batch size is
-    fixed by the arrays passed in and must be a multiple of microbatch_size (times the
-    number of devices on `data_axis`). `state_shardings` = (params, opt_state) shardings
-    (pytrees or one sharding each) under `mesh`; default replicated."""
+    Args:
+      loss_fn: `loss_fn(params, example, rng) -> scalar` on one example.
+      optimizer: any optax transformation (`default_optimizer`).
+      clip_norm, noise_multiplier, expected_batch_size: C, sigma and the public B of the stage.
+      microbatch_size: examples per scanned micro-batch; the physical batch (fixed by the arrays
+        passed in) must be a multiple of it times the devices on `data_axis`.
+      mesh, data_axis: shard the batch over these mesh axes (None: one device).
+      state_shardings: (params, opt_state) shardings under `mesh`; default replicated.
+      clipping_method: "vmap", "ghost" or "auto" (`clipped_sum_for`): speed only, never the
+        noise, the sensitivity or the accounting. "auto" is single-process only (hosts could
+        time differently and compile different programs).
+    Returns:
+      `step(params, opt_state, batch, is_padding, step_key) -> (params, opt_state, metrics)`,
+      jitted, params and opt_state donated when `donate`."""
     check_dp_params(clip_norm=clip_norm, noise_multiplier=noise_multiplier, expected_batch_size=expected_batch_size)
     if isinstance(microbatch_size, bool) or not isinstance(microbatch_size, int) or microbatch_size < 1:
         raise ValueError(f"microbatch_size must be an integer >= 1, got {microbatch_size!r}")
+    if clipping_method == "auto" and jax.process_count() > 1:
+        raise ValueError("clipping 'auto' is single-process only; choose ghost or vmap")
 
     sum_impl = clipped_sum_for(clipping_method, loss_fn)
 
@@ -168,14 +255,16 @@ def make_dp_train_step(
 
     def step(params, opt_state, batch, is_padding, step_key):
         total, stats = global_sum(params, batch, is_padding, example_key(step_key))
-        grads = privatize(
+        params, opt_state, grads = dp_update(
+            optimizer,
             total,
-            noise_key(step_key),
+            opt_state,
+            params,
+            step_key,
             clip_norm=clip_norm,
             noise_multiplier=noise_multiplier,
             expected_batch_size=expected_batch_size,
         )
-        params, opt_state = _apply(optimizer, grads, opt_state, params)
         metrics = {"private/noisy_grad_norm": optax.tree.norm(grads), **_nonprivate_metrics(stats)}
         return params, opt_state, metrics
 
@@ -216,7 +305,7 @@ def make_train_step(
         total, stats = global_sum(params, batch, is_padding, example_key(step_key))
         count = jnp.maximum(stats.num_examples, 1.0)
         grads = jax.tree_util.tree_map(lambda g: g / count, total)
-        params, opt_state = _apply(optimizer, grads, opt_state, params)
+        params, opt_state = apply_update(optimizer, grads, opt_state, params)
         metrics = {
             "nonprivate/loss": stats.loss_sum / count,
             "nonprivate/grad_norm": optax.tree.norm(grads),

@@ -201,12 +201,10 @@ def dense_layer_mode(layer_mode: str, t: int, d_in: int, d_out: int, *, backend:
     the cheaper one for `backend` (default: JAX's default backend):
     - accelerators, by flops: instantiate when 2 d_in d_out <= T^2 (d_in + d_out) (Bu et al.,
       mixed ghost clipping);
-    - CPU, measured: XLA CPU runs the batched per-example product slower than the plain
-      weight gradient (with its norm and weighted sum, M = 4, T = 128: 0.73-1.2x the speed at
-      tiny and mini shapes, 0.33-0.37x at base's FFN) and streams M d_in d_out fresh floats
-      through memory, so instantiate only when 2 T (d_in + d_out) >= d_in d_out (at T = 128:
-      every layer of BERT tiny and mini; ghost for every encoder layer of base, which made a
-      base DP step at batch 8 1.37x faster: 5.60 -> 4.07 s, the non-private step 3.39 s)."""
+    - CPU: XLA CPU runs the batched per-example product slower than the plain weight gradient
+      and streams M d_in d_out fresh floats through memory, so instantiate only when
+      2 T (d_in + d_out) >= d_in d_out (at T = 128: every layer of BERT tiny and mini; ghost for
+      every encoder layer of base). Measurements: docs/RESULTS.md, "Design measurements"."""
     if layer_mode != "mixed":
         return layer_mode
     if (backend or jax.default_backend()) == "cpu":

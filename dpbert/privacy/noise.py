@@ -8,7 +8,7 @@ accountant is told about. The noise depends only on `key` and the shapes, not on
 was computed or sharded: it is one draw of `gaussian` for all coordinates, cut into the leaves in
 pytree order (each leaf starts at a multiple of 128 of the draw, which keeps XLA's slices aligned).
 
-The sampler and its tail (rule 7 of the DP core). jax's float32 `normal` is an inverse erf of
+The sampler and its tail (rule 7 of `dpbert.privacy`). jax's float32 `normal` is an inverse erf of
 a float32 uniform and never exceeds sqrt(2) erfinv(1 - 2^-24) = 5.42: a Gaussian mechanism
 truncated that close leaks, since a neighbour shifted by the sensitivity reaches outputs the
 other cannot. `gaussian` is Box-Muller on 32-bit words from `jax.random.bits`:
@@ -26,7 +26,7 @@ same run with exact Gaussian noise, whatever its sampling or adaptivity; so if t
 is (epsilon, delta)-DP, this one is (epsilon, delta + (1 + e^epsilon) gamma)-DP, and
 `tail_deviation` returns (1 + e^epsilon) gamma. We bound it below delta; we do not add it.
 Worked numbers: the paper's BERT-Large run (d = 3.4e8, T = 14,000, epsilon = 5.36, delta = 1e-8)
-gives 8.1e-44; the tiny recipe (d = 4.4e6, T = 60, epsilon = 8, delta = 1e-6) 6.3e-47; d = 1e9 and
+gives 8.1e-44; recipes/tiny.yaml (d = 1.47e6, T = 1,100, epsilon = 8, delta = 1e-6) 3.8e-46; d = 1e9 and
 T = 1e6 give gamma = 8.0e-44, under 1e-3 * delta for delta >= 1e-12 at any epsilon <= 64.
 Not covered (as for every floating-point sampler): outputs are float32, and the mantissa of u1
 and the angle u2 are quantized to 2^-23 and 2^-24.
@@ -137,7 +137,15 @@ def privatize(
     noise_multiplier: float,
     expected_batch_size: int,
 ) -> Any:
-    """(grad_sum + N(0, (noise_multiplier * clip_norm)^2 I)) / expected_batch_size, in float32."""
+    """The Gaussian mechanism on a clipped sum (rules 1 and 7 of `dpbert.privacy`).
+
+    Args:
+      grad_sum: the global clipped gradient sum (a pytree; sensitivity `clip_norm`).
+      key: the step's noise key (`dpbert.privacy.randomness.noise_key`).
+      clip_norm, noise_multiplier: C and sigma; expected_batch_size: the public B.
+    Returns:
+      (grad_sum + N(0, (sigma C)^2 I)) / B in float32, one draw of `gaussian` for all leaves.
+    """
     check_dp_params(clip_norm=clip_norm, noise_multiplier=noise_multiplier, expected_batch_size=expected_batch_size)
     leaves, treedef = jax.tree_util.tree_flatten(grad_sum)
     starts = np.cumsum([0] + [-(-g.size // _ALIGN) * _ALIGN for g in leaves]).tolist()

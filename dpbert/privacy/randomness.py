@@ -14,7 +14,7 @@ purpose) truncated to a 64-bit Threefry-2x32 key, so pretraining stages, each fi
 each audit and the audit's canary draw never share a key or a noise draw, even when one
 secret serves them all. 64 bits, not more: an attacker would have to search 2^64 keys, each
 tested by a full noise draw of the model's size; a 128-bit Threefry-4x32 chain for masking and
-dropout was measured to make XLA's compile of the masking alone take over 100 s (vs 4 s).
+dropout made XLA's compile of the masking far slower (docs/RESULTS.md, "Design measurements").
 
 The step key is split by `fold_in` with fixed constants into a sampling key (which examples
 join the batch), a document-sequences key (with `privacy.unit: document`, which sequences of
@@ -29,9 +29,7 @@ only, so results do not change with micro-batch size or device count.
 The noise key alone uses Random123's Threefry-4x32-20, keyed by 128 bits drawn from the step
 key: the same counter-based, partitionable cipher family as JAX's default Threefry-2x32 (a draw
 does not depend on how the array is sharded). XLA unrolls its rounds, which on CPU draws
-Gaussians ~5x faster (5.36M normals: 18 ms vs 94 ms on two cores); at the size of a BERT-base
-step (92M normals, added to the sum) the draw took 377 ms, not 532: there the inverse-erf
-transform (~260 ms) and one pass over the sum (~140 ms) cost more than the cipher.
+Gaussians faster (docs/RESULTS.md, "Design measurements").
 """
 
 from __future__ import annotations

@@ -141,11 +141,17 @@ def poisson_sample(
     process_count: int = 1,
     stored_units: int | None = None,
 ) -> PoissonBatch:
-    """Step `step`'s Poisson sample of every one of `stored_units` (default `dataset_size`), each
-    at rate expected_batch_size / dataset_size; this process's share.
+    """Step `step`'s Poisson sample of every stored unit (rule 3 of `dpbert.privacy`).
 
-    `key` is the run key (a jax PRNG key; the step's sampling key is derived from
-    fold_in(key, step)) or an integer seed."""
+    Args:
+      key: the run key (a jax PRNG key; the step's sampling key is fold_in(key, step)) or a seed.
+      dataset_size: the public N; each unit is included independently at q = B / N.
+      expected_batch_size: the public B.
+      physical_batch_size: the static batch the step compiles for (padding beyond the sample).
+      process_index, process_count: this process's share of the padded batch.
+      stored_units: how many units the store holds (default N); every one of them is sampled.
+    Returns:
+      `PoissonBatch`: this process's indices, padding mask and the realized size."""
     q = sampling_rate(expected_batch_size, dataset_size)
     population = dataset_size if stored_units is None else stored_units
     if isinstance(population, bool) or not isinstance(population, int | np.integer) or population < 1:

@@ -7,9 +7,8 @@
   the candidate with the most examples/s, timed on placeholder inputs (never on private data)
   among those that fit the budget; `sum_fn` is any clipped or plain gradient sum with the
   signature of `dpbert.privacy.clipping.clipped_grad_sum` minus the loss.
-
-- `clipped_sum_for(method, loss_fn)`: the clipped-sum function of a clipping method ("vmap",
-  "ghost", or "auto": the faster of the two, timed by `time_clipping_methods` on placeholders).
+- `time_clipping_methods(loss, params, batch, ...)`: seconds per micro-batch of vmap and ghost
+  clipping on placeholders (what `dpbert.privacy.dp_step.clipped_sum_for("auto", ...)` picks by).
 
 Micro-batching and the clipping method are performance knobs only: the clipped sum, the noise
 and the accounting do not depend on the choice (see `dpbert.privacy.clipping`).
@@ -25,11 +24,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dpbert.privacy.clipping import ClipStats, clipped_grad_sum
+from dpbert.privacy.clipping import clipped_grad_sum
 from dpbert.privacy.ghost_clipping import GhostLoss, ghost_clipped_grad_sum
-
-CLIPPING_METHODS = ("vmap", "ghost", "auto")
-_AUTO_CHOICES: dict[Any, str] = {}
 
 
 def microbatch_peak_bytes(
@@ -37,7 +33,7 @@ def microbatch_peak_bytes(
 ) -> int:
     """Compiled peak bytes of the clipped sum over one micro-batch of `microbatch_size` examples
     shaped like `example` (one example: arrays or ShapeDtypeStructs without a batch axis)."""
-    impl = clipped_sum_for("vmap" if clipping_method == "auto" else clipping_method, loss_fn)
+    impl = ghost_clipped_grad_sum if clipping_method == "ghost" else clipped_grad_sum
     shape = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)  # noqa: E731
     batch = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct((microbatch_size,) + x.shape, x.dtype), example)
     padding = jax.ShapeDtypeStruct((microbatch_size,), jnp.bool_)
@@ -170,46 +166,3 @@ def time_clipping_methods(
             )
             seconds[name] = best_seconds(lambda fn=fn: fn(p, b), repeats)
     return seconds
-
-
-def clipped_sum_for(method: str, loss_fn: Any) -> Callable[..., tuple[Any, ClipStats]]:
-    """The clipped-sum function (signature of `clipping.clipped_grad_sum`) for `method`.
-
-    "vmap": per-example gradients by vmap (any loss). "ghost": ghost norms + book-keeping
-    (needs a `GhostLoss`, `dpbert.privacy.ghost_clipping`). "auto": for a `GhostLoss`, the
-    faster of the two for the model and shapes, timed once per shape on placeholder inputs when
-    the step is traced (the choice never depends on data); for any other loss, "vmap". The
-    result, the noise and the accounting are the same whichever method runs.
-    """
-    if method not in CLIPPING_METHODS:
-        raise ValueError(f"clipping_method: expected one of {CLIPPING_METHODS}, got {method!r}")
-    ghost_capable = isinstance(loss_fn, GhostLoss)
-    if method == "vmap" or (method == "auto" and not ghost_capable):
-        return clipped_grad_sum
-    if not ghost_capable:
-        raise ValueError(
-            f"clipping_method='ghost' needs a loss with taps (a GhostLoss, dpbert.privacy.ghost_clipping), "
-            f"got {type(loss_fn).__name__}"
-        )
-    if method == "ghost":
-        return ghost_clipped_grad_sum
-
-    def auto(loss, params, batch, is_padding, rng, *, clip_norm, microbatch_size, position_offset=0):
-        shapes = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), (params, batch))
-        signature = (loss, str(shapes), microbatch_size)
-        if signature not in _AUTO_CHOICES:
-            seconds = time_clipping_methods(loss, *shapes, clip_norm=clip_norm, microbatch_size=microbatch_size)
-            _AUTO_CHOICES[signature] = min(seconds, key=seconds.get)
-        impl = ghost_clipped_grad_sum if _AUTO_CHOICES[signature] == "ghost" else clipped_grad_sum
-        return impl(
-            loss,
-            params,
-            batch,
-            is_padding,
-            rng,
-            clip_norm=clip_norm,
-            microbatch_size=microbatch_size,
-            position_offset=position_offset,
-        )
-
-    return auto

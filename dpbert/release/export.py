@@ -422,6 +422,15 @@ def _published_recipe(text: str | None) -> str | None:
     return yaml.safe_dump(redact_data(yaml.safe_load(text) or {}), sort_keys=False)
 
 
+def _model_name(repo_id: str | None, out: Path, run_dir: Path) -> str:
+    """The card's title: the Hub repository's name, else the release folder's, else (for the
+    default RUN_DIR/release) the run folder's, as "dpbert-NAME"."""
+    if repo_id:
+        return repo_id.split("/")[-1]
+    name = out.resolve().name
+    return f"dpbert-{run_dir.resolve().name}" if name == "release" else name
+
+
 def export_run(
     run_dir: str | os.PathLike[str],
     out: str | os.PathLike[str],
@@ -514,7 +523,7 @@ def export_run(
     else:
         eval_dataset = f"held-out split of {data_desc}{step}; private data, not covered by the guarantee"
     info = CardInfo(
-        model_name=repo_id.split("/")[-1] if repo_id else Path(out).name,
+        model_name=_model_name(repo_id, Path(out), run_dir),
         repo_id=repo_id,
         architecture=(
             f"Architecture: BERT, {config.get('num_hidden_layers')} layers, hidden size {config.get('hidden_size')}, "

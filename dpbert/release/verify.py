@@ -834,7 +834,14 @@ def _compare_copy(
 
 
 def verify_folder(folder: str | Path, *, rtol: float = DEFAULT_RTOL) -> VerificationResult:
-    """Verify a local release folder (see the module docstring)."""
+    """Verify a local release folder: the nine checks of the module docstring.
+
+    Args:
+      folder: the release (privacy.json, README.md, config.json, weights, tokenizer).
+      rtol: relative tolerance between a stated and a recomputed epsilon.
+    Returns:
+      `VerificationResult`: `ok`, the per-guarantee checks, every problem found (each naming its
+      file and field), warnings and what could not be checked."""
     folder = Path(folder)
     privacy_path, card_path, config_path = folder / PRIVACY_FILE, folder / CARD_FILE, folder / "config.json"
     where = str(privacy_path)

@@ -29,10 +29,7 @@ so no longer parses as a releasable ledger, an `audit` record ends `metrics.json
 `release/` export is removed) and `store/` (the audit token store, whose manifest `source`
 names the canaries).
 
-Measured on recipes/tiny.yaml (claimed epsilon 7.99 at delta 1e-6): gradient canaries give a
-lower bound of 0.77 with 10,000 canaries (~1 min); input canaries give 0.0 with 1,000 (26 min
-on 2 shared cores): 60 steps at sampling rates 0.002-0.003 sample a canary 0.15 times on
-average, and the members' pseudo-log-likelihoods are indistinguishable (AUC 0.51).
+Measured bounds (recipe, canaries, wall time) are in docs/RESULTS.md.
 
 Guarantees: canaries exist only in OUTPUT_DIR's audit store; the recipe's own token store is
 read, never written; a plain `dpbert pretrain` never sees canaries. Canary tokens and coin
@@ -78,9 +75,7 @@ from dpbert.train.pretrain import pretrain
 KINDS = ("input", "gradient")
 # Gradient canaries cost one coordinate each, so more are cheap; with a recipe's small sampling
 # rate only the canaries sampled at least once can be told apart, and their number grows with m.
-# Measured on recipes/tiny.yaml (claimed epsilon 7.99): lower bound 0.11 with 1,000, 0.77 with
-# 10,000, 0.47 with 100,000 (beyond that the canaries dominate the dataset and the recalibrated
-# noise rises).
+# How the bound grows with the number of canaries: docs/RESULTS.md, "Audits".
 DEFAULT_CANARIES = {"input": 1000, "gradient": 10000}
 # fold_in constants under the canary key: the coin flips use the canary key itself.
 _TOKENS = 1

@@ -24,9 +24,7 @@ from dpbert.data import glue
 from dpbert.data.glue_metrics import compute_metrics, predictions_from_logits
 from dpbert.model.functional import classifier_logits
 from dpbert.model.lora import is_lora_path
-from dpbert.train.engine import (
-    adamw,
-)
+from dpbert.privacy.dp_step import default_optimizer
 
 
 def _is_bias(path: tuple[Any, ...]) -> bool:
@@ -72,12 +70,8 @@ def describe_trainable(subset: Trainable, config: FinetuneConfig, train_pooler: 
 def auto_clipping(subset: Trainable) -> str:
     """The clipping path `clipping: auto` takes for `subset` (speed only: ghost and vmap give the
     same clipped sum, tested): ghost for "all" (no per-example gradient of 22.7M parameters), vmap
-    for the subsets, where the two tie. Measured on all-MiniLM-L6-v2 at the DP default batch
-    (expected 256, physical 384, micro-batch 64, L = 128; 2 shared CPU cores, best of 2 after
-    compile), seconds per step, vmap / ghost: bias terms + head 27.6 / 26.2, LoRA rank 8 on
-    query, value + head 26.9 / 27.2; one micro-batch of 64: bias 5.1-5.2 / 5.6-5.8, LoRA
-    5.7 / 6.1. The differences are within the machine's run-to-run spread (10-35 %), so the
-    subsets keep vmap, whose per-example gradients are small (the trained parameters only)."""
+    for the subsets, where the two tie within run-to-run spread (docs/RESULTS.md, "Design
+    measurements"), so the subsets keep vmap, whose per-example gradients are small."""
     if subset not in TRAINABLE:
         raise ValueError(f"trainable: expected one of {', '.join(TRAINABLE)}, got {subset!r}")
     return "ghost" if subset == "all" else "vmap"
@@ -102,10 +96,10 @@ def learning_rate_schedule(optim: OptimConfig, total_steps: int) -> optax.Schedu
 
 
 def make_optimizer(optim: OptimConfig, total_steps: int, params: nnx.State) -> optax.GradientTransformation:
-    """The engine's AdamW rule (`dpbert.train.engine.adamw`: decay on every trained parameter)
+    """dpbert's AdamW (`dpbert.privacy.dp_step.default_optimizer`: decay on every trained parameter)
     on `learning_rate_schedule`; the head (classifier, pooler) takes `head_lr_multiplier` times
     larger steps than the pretrained body."""
-    tx = adamw(
+    tx = default_optimizer(
         learning_rate_schedule(optim, total_steps),
         weight_decay=optim.weight_decay,
         b1=optim.b1,

@@ -1,7 +1,7 @@
 """Ahead-of-time compile of a recipe's pretraining step at full shape, and a throughput model.
 
-`compile_step(recipe, mesh)` compiles exactly the step the trainer runs: it calls the same
-functions as `dpbert.train.pretrain.pretrain` (`abstract_state`, `make_mlm_loss`, `make_step`:
+`compile_step(recipe, mesh)` compiles exactly the step the trainer runs: it builds it with the
+trainer's own builder (`dpbert.train.pretrain.build_setup`, `Setup.stage_step`:
 the masked-LM loss with the recipe's `train.clipping` (ghost clipping by default), the DP
 core's step, the recipe's optimizer, the mesh's shardings) at the trainer's compiled batch
 (`ledger_physical_batch_sizes` padded by `device_batch_size`), and lowers and compiles it
@@ -45,7 +45,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import optax
 from jax.sharding import Mesh
 
 from dpbert.config.plan import ledger_physical_batch_sizes, public_dataset_size
@@ -53,11 +52,11 @@ from dpbert.config.recipe import Recipe
 from dpbert.model.bert import unrolled_layers
 from dpbert.privacy import randomness
 from dpbert.privacy.documents import SEQUENCE_PADDING
-from dpbert.privacy.noise import privatize
+from dpbert.privacy.dp_step import apply_update, dp_update
 from dpbert.train.engine import device_batch_size
 from dpbert.train.mesh import batch_sharding, bytes_per_device, replicated
-from dpbert.train.mlm import make_masker, make_mlm_loss, max_predictions
-from dpbert.train.model_state import abstract_state, bert_config, make_optimizer, make_step, run_keys
+from dpbert.train.pretrain import build_setup
+from dpbert.train.state import bert_config
 
 # Shape-only stand-ins for token ids the masking code needs (values never matter to shapes).
 _PLACEHOLDER_IDS = {"mask_token_id": 103, "special_token_ids": (0, 101, 102, 103), "pad_id": 0}
@@ -177,6 +176,72 @@ def _physical(recipe: Recipe, stage_index: int, devices: int) -> int:
     return device_batch_size(ledger_physical_batch_sizes(recipe, size.n, bound)[stage_index], devices, mb)
 
 
+def _compile_pair(
+    r: Recipe, mesh: Mesh, expected_batch_size: int, rows: int, layers: int | None = None
+) -> tuple[Any, Any, Any, Any]:
+    """(compiled step at `rows` physical rows, compiled update, abstract state, shardings) of the
+    stage with `expected_batch_size`, with the recipe's model or the same model with `layers`
+    encoder layers; built by the trainer's own `build_setup`."""
+    config = bert_config(r)
+    if layers is not None:
+        config.num_hidden_layers = layers
+    # Keys typed as the trainer's (Threefry-4x32 from a secret when private); a throwaway secret,
+    # since compiling depends on the key's type only.
+    secret = randomness.draw_secret() if r.privacy.enabled else None
+    setup = build_setup(
+        r,
+        mesh,
+        config=config,
+        seq_len=r.data.seq_len,
+        token_ids=_PLACEHOLDER_IDS,
+        secret=secret,
+        mechanism="pretrain",
+    )
+    abstract, optimizer = setup.abstract, setup.optimizer
+    params_sh, opt_sh = abstract.shardings
+    key_sds = jax.eval_shape(lambda: setup.stage_keys[0])
+    sharded = batch_sharding(mesh)
+    # With `privacy.unit: document` a row is a document of max_sequences_per_document slots.
+    slots = (r.privacy.max_sequences_per_document,) if r.privacy.enabled and r.privacy.unit == "document" else ()
+    batch = {
+        "input_ids": jax.ShapeDtypeStruct((rows, *slots, r.data.seq_len), jnp.int32, sharding=sharded),
+        "index": jax.ShapeDtypeStruct((rows, *slots), jnp.int32, sharding=sharded),
+        "step": jax.ShapeDtypeStruct((rows, *slots), jnp.int32, sharding=sharded),
+    }
+    if slots:
+        batch[SEQUENCE_PADDING] = jax.ShapeDtypeStruct((rows, *slots), jnp.bool_, sharding=sharded)
+    padding = jax.ShapeDtypeStruct((rows,), jnp.bool_, sharding=sharded)
+    step = setup.stage_step(noise_multiplier=1.0, expected_batch_size=expected_batch_size)
+    args_state = (abstract.params, abstract.opt_state)
+    key_arg = jax.ShapeDtypeStruct(key_sds.shape, key_sds.dtype, sharding=replicated(mesh))
+    full = step.lower(*args_state, batch, padding, key_arg).compile()
+
+    def update(params: Any, opt_state: Any, grads: Any, key: jax.Array) -> tuple[Any, Any]:
+        """What the step runs once per step, after the clipped sum (the DP core's own code)."""
+        if not r.privacy.enabled:
+            return apply_update(optimizer, grads, opt_state, params)
+        params, opt_state, _ = dp_update(
+            optimizer,
+            grads,
+            opt_state,
+            params,
+            key,
+            clip_norm=r.privacy.clip_norm,
+            noise_multiplier=1.0,
+            expected_batch_size=expected_batch_size,
+        )
+        return params, opt_state
+
+    update_c = (
+        jax.jit(
+            update, in_shardings=(params_sh, opt_sh, params_sh, replicated(mesh)), out_shardings=(params_sh, opt_sh)
+        )
+        .lower(args_state[0], args_state[1], args_state[0], key_arg)
+        .compile()
+    )
+    return full, update_c, abstract, (params_sh, opt_sh)
+
+
 def compile_step(
     recipe: Recipe,
     mesh: Mesh,
@@ -198,77 +263,9 @@ def compile_step(
     mb = recipe.train.microbatch_size
     physical = _physical(recipe, stage_index, devices)
 
-    r = recipe
-
-    def compile_pair(rows: int, layers: int | None = None) -> tuple[Any, Any, Any, Any]:
-        """(compiled step at `rows` physical rows, compiled update, abstract state, shardings), with
-        the recipe's model or the same model with `layers` encoder layers."""
-        config = bert_config(r)
-        if layers is not None:
-            config.num_hidden_layers = layers
-        optimizer = make_optimizer(r)
-        abstract = abstract_state(r, config, optimizer, mesh)
-        params_sh, opt_sh = abstract.shardings
-        masker = make_masker(
-            vocab_size=config.vocab_size,
-            mask_prob=r.data.mask_prob,
-            num_predictions=max_predictions(r.data.seq_len, r.data.mask_prob),
-            **_PLACEHOLDER_IDS,
-        )
-        # Keys typed as the trainer's (Threefry-4x32 from a secret when private); a throwaway secret,
-        # since compiling depends on the key's type only.
-        masking_key, stage_keys = run_keys(r, randomness.draw_secret() if r.privacy.enabled else None, "pretrain")
-        loss_fn = make_mlm_loss(r, abstract.graphdef, masker, masking_key)
-        key_sds = jax.eval_shape(lambda: stage_keys[0])
-        sharded = batch_sharding(mesh)
-        # With `privacy.unit: document` a row is a document of max_sequences_per_document slots.
-        slots = (r.privacy.max_sequences_per_document,) if r.privacy.enabled and r.privacy.unit == "document" else ()
-        batch = {
-            "input_ids": jax.ShapeDtypeStruct((rows, *slots, r.data.seq_len), jnp.int32, sharding=sharded),
-            "index": jax.ShapeDtypeStruct((rows, *slots), jnp.int32, sharding=sharded),
-            "step": jax.ShapeDtypeStruct((rows, *slots), jnp.int32, sharding=sharded),
-        }
-        if slots:
-            batch[SEQUENCE_PADDING] = jax.ShapeDtypeStruct((rows, *slots), jnp.bool_, sharding=sharded)
-        padding = jax.ShapeDtypeStruct((rows,), jnp.bool_, sharding=sharded)
-        step = make_step(
-            r,
-            loss_fn,
-            optimizer,
-            noise_multiplier=1.0,
-            expected_batch_size=stage.expected_batch_size,
-            mesh=mesh,
-            shardings=abstract.shardings,
-        )
-        args_state = (abstract.params, abstract.opt_state)
-        key_arg = jax.ShapeDtypeStruct(key_sds.shape, key_sds.dtype, sharding=replicated(mesh))
-        full = step.lower(*args_state, batch, padding, key_arg).compile()
-
-        def update(params: Any, opt_state: Any, grads: Any, key: jax.Array) -> tuple[Any, Any]:
-
-            if r.privacy.enabled:
-                grads = privatize(
-                    grads,
-                    randomness.noise_key(key),
-                    clip_norm=r.privacy.clip_norm,
-                    noise_multiplier=1.0,
-                    expected_batch_size=stage.expected_batch_size,
-                )
-            updates, opt_state = optimizer.update(grads, opt_state, params)
-            return optax.apply_updates(params, updates), opt_state
-
-        update_c = (
-            jax.jit(
-                update, in_shardings=(params_sh, opt_sh, params_sh, replicated(mesh)), out_shardings=(params_sh, opt_sh)
-            )
-            .lower(args_state[0], args_state[1], args_state[0], key_arg)
-            .compile()
-        )
-        return full, update_c, abstract, (params_sh, opt_sh)
-
     started = time.perf_counter()
     log(f"compiling the full step: physical batch {physical:,} on {devices} devices ...")
-    full, update_c, abstract, (params_sh, opt_sh) = compile_pair(physical)
+    full, update_c, abstract, (params_sh, opt_sh) = _compile_pair(recipe, mesh, stage.expected_batch_size, physical)
     compile_seconds = time.perf_counter() - started
     memory = full.memory_analysis()
     num_params = sum(math.prod(x.shape) for x in jax.tree_util.tree_leaves(abstract.params))
@@ -281,7 +278,7 @@ def compile_step(
     layer_flops = []
     for n in (1, 2):
         with unrolled_layers():
-            step_n, update_n, _, _ = compile_pair(devices * mb, layers=n)
+            step_n, update_n, _, _ = _compile_pair(recipe, mesh, stage.expected_batch_size, devices * mb, layers=n)
         layer_flops.append(_flops(step_n) - _flops(update_n))
     depth = bert_config(recipe).num_hidden_layers
     per_example = max(layer_flops[0] + (depth - 1) * (layer_flops[1] - layer_flops[0]), 0.0) / mb

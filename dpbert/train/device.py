@@ -40,7 +40,8 @@ from dpbert.model import functional
 from dpbert.model.bert import BertForMaskedLM
 from dpbert.model.ghost import MLMGhostLoss
 from dpbert.privacy.clipping import grad_sum
-from dpbert.privacy.tuning import clipped_sum_for, fastest_microbatch_size
+from dpbert.privacy.dp_step import clipped_sum_for
+from dpbert.privacy.tuning import fastest_microbatch_size
 
 ACCELERATOR_BACKENDS = frozenset({"gpu", "cuda", "rocm", "tpu"})
 # Micro-batch sizes tried on an accelerator: large enough to fill one, small enough to compile

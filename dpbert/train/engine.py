@@ -1,9 +1,8 @@
 """The DP training engine: one loop for every task that trains with DP-SGD (or its non-private twin).
 
 A task (pretraining, fine-tuning) hands the engine
-- a per-example loss `loss_fn(params, example, rng)` through `make_step`: `dp_step` builds the
-  jitted step of one stage with `dpbert.privacy.dp_step.make_dp_train_step` (an object with
-  layer taps, such as `MLMGhostLoss`, gets ghost clipping there) or `make_train_step`;
+- `make_step(stage_index)`: the jitted step of one stage, built by the task with
+  `dpbert.privacy.dp_step.make_dp_train_step` (or `make_train_step` without DP);
 - a plan (`dpbert.config.plan.Plan`: stages with expected batch sizes and noise multipliers,
   the physical batch of each stage, the ledger after any number of steps), one key per stage
   (from the run's secret: `run_secret` here, `dpbert.privacy.randomness.mechanism_key`), and
@@ -25,14 +24,13 @@ The engine owns, for every task:
   which spends no privacy twice. When none restores, `NoRestorableCheckpointError` names the
   folder and asks for a fresh run folder;
 - SIGTERM: the current step finishes, a checkpoint is written, `run_loop` returns `stopped`;
-- a non-finite training loss raises `NonFiniteLossError` naming the step;
+- one host sync per log, evaluation or checkpoint step, not per step: the losses of the steps
+  since the last sync are read back then, and a non-finite one raises `NonFiniteLossError` naming
+  its step (before anything is checkpointed); the state's ledger is set at the same points, and
+  `examples_per_s`/`step_time_s` are averages over the steps since the previous log;
 - train records with the clipping statistics of the step (`nonprivate_diagnostics`: loss,
   clipped fraction, non-finite examples: computed on the private batch, NOT covered by the
   guarantee, labelled so) and epsilon spent.
-
-Optimizer rule shared by every task (`adamw`): AdamW with decoupled weight decay on every
-trained parameter (the rule the pretraining results were measured with; Anil et al. found a
-large decay helps under DP with scale-invariant layers).
 """
 
 from __future__ import annotations
@@ -49,16 +47,13 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import jax
-import optax
-from jax.sharding import Mesh
 
 from dpbert.config.plan import Plan
-from dpbert.privacy import make_dp_train_step, make_train_step, step_key
+from dpbert.privacy import step_key
 from dpbert.privacy.dp_step import StepFn
 from dpbert.privacy.randomness import SECRET_FILE, RunSecret, run_secret
 from dpbert.train import distributed
 from dpbert.train.checkpoint import CheckpointStore, DamagedCheckpointError
-from dpbert.train.mesh import batch_axes
 from dpbert.train.metrics import MetricsLog, truncate_after
 from dpbert.train.state import TrainState, ledger_text
 
@@ -119,56 +114,11 @@ class LoopResult:
     stopped: bool
 
 
-def adamw(
-    learning_rate: float | optax.Schedule, *, weight_decay: float, b1: float, b2: float, eps: float
-) -> optax.GradientTransformation:
-    """The engine's optimizer rule (module docstring): AdamW, decay on every trained parameter."""
-    return optax.adamw(learning_rate, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay)
-
-
 def device_batch_size(physical: int, devices: int, microbatch_size: int) -> int:
     """Rows of the compiled step: `physical` rounded up to a multiple of devices x micro-batch
     (the extra rows are padding, never sampled)."""
     multiple = devices * microbatch_size
     return -(-physical // multiple) * multiple
-
-
-def dp_step(
-    loss_fn: Any,
-    optimizer: optax.GradientTransformation,
-    *,
-    private: bool,
-    clip_norm: float | None,
-    noise_multiplier: float,
-    expected_batch_size: int,
-    microbatch_size: int,
-    clipping: str,
-    mesh: Mesh,
-    shardings: tuple[Any, Any] | None,
-) -> StepFn:
-    """The jitted step of one stage: batch split over all mesh axes, state in `shardings`,
-    params and optimizer state donated. `clipping`: "vmap", "ghost" or "auto" (speed only);
-    `clip_norm`, `noise_multiplier` and `clipping` only matter when `private`."""
-    common: dict[str, Any] = {
-        "microbatch_size": microbatch_size,
-        "mesh": mesh,
-        "data_axis": batch_axes(mesh),
-        "state_shardings": shardings,
-    }
-    if not private:
-        return make_train_step(loss_fn, optimizer, **common)
-    if clipping == "auto" and jax.process_count() > 1:
-        # "auto" times both methods on each host; hosts could pick different programs.
-        raise ValueError("recipe field 'train.clipping': 'auto' is single-process only; choose ghost or vmap")
-    return make_dp_train_step(
-        loss_fn,
-        optimizer,
-        clip_norm=clip_norm,
-        noise_multiplier=noise_multiplier,
-        expected_batch_size=expected_batch_size,
-        clipping_method=clipping,
-        **common,
-    )
 
 
 def fingerprint(obj: Any) -> str:
@@ -343,13 +293,39 @@ def run_loop(
 ) -> LoopResult:
     """Train from `state.step` to the end of `plan.schedule` (see the module docstring).
 
-    `make_step(stage_index)` and `sample(stage_index, t)` are the task's; the step of stage i is
-    built once. Train records (every `log_every` steps and the last) go to `metrics` (process 0
-    passes it, the others None), with the fields of `record` added; `log` says where a SIGTERM
-    left the checkpoint. Returns the final (or, after SIGTERM, the checkpointed) state and
-    whether the run stopped early."""
+    Args:
+      state: the restored or fresh state (`restore_or_init`).
+      plan, stage_keys: the privacy plan and one secret-derived key per stage; step t of stage i
+        runs with `step_key(stage_keys[i], t)`.
+      make_step, sample: the task's `make_step(stage_index)` (built once per stage) and
+        `sample(stage_index, t) -> Sample` (the Poisson sample of step t).
+      checkpointing, metrics, log_every, learning_rate: where and how often state and train
+        records go (process 0 passes `metrics`, the others None); `record` fields are added.
+      hooks: called after every k-th step (evaluation); progress, log: the progress bar and log.
+    Returns:
+      `LoopResult`: the final (after SIGTERM, the checkpointed) state and whether it stopped early.
+    Raises:
+      NonFiniteLossError: a step's training loss was not finite (nothing after it is saved)."""
     total = plan.schedule.total_steps
     step_fns: dict[int, StepFn] = {}
+    losses: list[tuple[int, jax.Array]] = []  # (step, loss) not yet read back from the device
+    window = {"since": time.perf_counter(), "steps": 0, "examples": 0}  # throughput between log syncs
+
+    def settle(state: TrainState) -> TrainState:
+        """Read back the losses since the last sync (one host sync), stop at a non-finite one, and
+        put the ledger of the steps taken on the state before it leaves the loop."""
+        values = jax.device_get([loss for _, loss in losses])
+        for (step, _), value in zip(losses, values, strict=True):
+            if not math.isfinite(float(value)):
+                first = losses[0][0]
+                raise NonFiniteLossError(
+                    f"non-finite training loss {float(value)} at step {step} (steps {first}-{state.step} ran "
+                    "since the last check; learning rate too high, or bad data); the last good checkpoint is "
+                    f"in {checkpointing.store.directory}"
+                )
+        losses.clear()
+        return state.replace(ledger_json=ledger_text(plan.ledger_after(state.step)))
+
     with StopFlag() as flag:
         while state.step < total:
             t = state.step
@@ -357,23 +333,27 @@ def run_loop(
             stage = pos.stage
             if pos.index not in step_fns:
                 step_fns[pos.index] = make_step(pos.index)
-            tick = time.perf_counter()
             batch = sample(pos.index, t)
             params, opt_state, out = step_fns[pos.index](
                 state.params, state.opt_state, batch.batch, batch.is_padding, step_key(stage_keys[pos.index], t)
             )
-            loss = float(out["nonprivate/loss"])
-            if not math.isfinite(loss):
-                raise NonFiniteLossError(
-                    f"non-finite training loss {loss} at step {t + 1} (learning rate too high, or bad data); "
-                    f"the last good checkpoint is in {checkpointing.store.directory}"
-                )
-            state = state.replace(
-                params=params, opt_state=opt_state, step=t + 1, ledger_json=ledger_text(plan.ledger_after(t + 1))
-            )
-            elapsed = time.perf_counter() - tick
-            if metrics is not None and (state.step % log_every == 0 or state.step == total):
+            losses.append((t + 1, out["nonprivate/loss"]))
+            state = state.replace(params=params, opt_state=opt_state, step=t + 1)
+            window["steps"] += 1
+            window["examples"] += batch.realized_size
+            logs = metrics is not None and (state.step % log_every == 0 or state.step == total)
+            hooked = [h for h in hooks if h.every and state.step % h.every == 0 and state.step < total]
+            saves = state.step % checkpointing.every == 0 or state.step == total
+            if logs or hooked or saves:
+                state = settle(state)
+            if logs:
+                # Steps run asynchronously between syncs: time per step is measured over the window.
+                seconds = time.perf_counter() - window["since"]
+                step_time, examples_per_s = seconds / window["steps"], window["examples"] / seconds
+                window.update(since=time.perf_counter(), steps=0, examples=0)
                 epsilon = plan.epsilon_after(state.step)
+                host = jax.device_get({k: v for k, v in out.items() if k.startswith("nonprivate/")})
+                diagnostics = {k.split("/", 1)[1]: float(v) for k, v in host.items()}
                 metrics.write(
                     {
                         **(record or {}),
@@ -384,33 +364,33 @@ def run_loop(
                         "physical_batch_size": plan.physical_batch_sizes[pos.index],
                         "epsilon": epsilon,
                         "learning_rate": float(learning_rate(t)),
-                        "examples_per_s": batch.realized_size / elapsed,
-                        "step_time_s": elapsed,
-                        "nonprivate_diagnostics": {
-                            k.split("/", 1)[1]: float(v) for k, v in out.items() if k.startswith("nonprivate/")
-                        },
+                        "examples_per_s": examples_per_s,
+                        "step_time_s": step_time,
+                        "nonprivate_diagnostics": diagnostics,
                     }
                 )
                 if progress is not None:
                     progress.set_postfix_str(
-                        f"loss {loss:.3f} (non-private diag.)" + ("" if epsilon is None else f", eps {epsilon:.2f}")
+                        f"loss {diagnostics['loss']:.3f} (non-private diag.)"
+                        + ("" if epsilon is None else f", eps {epsilon:.2f}")
                     )
             if progress is not None:
                 progress.update(1)
-            for hook in hooks:
-                if hook.every and state.step % hook.every == 0 and state.step < total:
-                    result = hook.fn(state)
-                    if result is not None and metrics is not None:
-                        metrics.write({**(record or {}), **result})
-            if state.step % checkpointing.every == 0 or state.step == total:
+            for hook in hooked:
+                result = hook.fn(state)
+                if result is not None and metrics is not None:
+                    metrics.write({**(record or {}), **result})
+            if saves:
                 checkpointing.save(state)
-            # Every process stops at the same step, whichever of them got the signal.
+            # Every process stops at the same step, whichever of them got the signal (a hook included).
             if distributed.any_process(flag.stop) and state.step < total:
+                state = settle(state)
                 checkpointing.save(state)
                 log(
                     f"SIGTERM: checkpoint written at step {state.step} in {checkpointing.store.directory}; "
                     "rerun with --resume to continue"
                 )
                 return LoopResult(state=state, stopped=True)
+    state = settle(state)
     checkpointing.save(state)
     return LoopResult(state=state, stopped=False)

@@ -52,7 +52,7 @@ freezes a pretrained pooler's kernel; per-step DP noise has norm sigma*C*sqrt(d)
 trained parameters, but a frozen all-MiniLM-L6-v2 pooler left DP runs at the majority class),
 and it takes `head_lr_multiplier` times larger steps. The DP default trains `bias`; its batch size,
 epochs, clip norm and learning rate are derived from n and epsilon when the recipe leaves them
-at null (`dpbert.config.finetune_plan`), and printed with their reasons. The non-private default
+at null (`dpbert.config.finetune_defaults`), and printed with their reasons. The non-private default
 trains `all`. Weight decay follows the training engine's one rule (`dpbert.train.engine`):
 decoupled, on every trained parameter.
 
@@ -93,12 +93,13 @@ from dpbert.config.finetune import (
     plan_dp,
     resolve_dp,
 )
-from dpbert.config.finetune_plan import describe as describe_derived
+from dpbert.config.finetune_defaults import describe as describe_derived
 from dpbert.config.plan import Plan
 from dpbert.data import glue
 from dpbert.model import BertForSequenceClassification
 from dpbert.model.ghost import ClassifierGhostLoss
 from dpbert.model.lora import add_lora, merge_lora
+from dpbert.privacy.dp_step import make_dp_train_step, make_train_step
 from dpbert.privacy.randomness import RunSecret, mechanism_key
 from dpbert.privacy.sampling import poisson_sample
 from dpbert.privacy.schedule import BatchSchedule, Stage
@@ -122,7 +123,6 @@ from dpbert.train.engine import (
     Hook,
     Sample,
     device_batch_size,
-    dp_step,
     fingerprint,
     has_checkpoints,
     restore_or_init,
@@ -130,7 +130,7 @@ from dpbert.train.engine import (
     secret_for_run,
 )
 from dpbert.train.finetune_release import config_record, export_model, source_privacy, task_scope
-from dpbert.train.mesh import make_mesh
+from dpbert.train.mesh import batch_axes, make_mesh
 from dpbert.train.metrics import MetricsLog, truncate_after
 from dpbert.train.state import TrainState
 
@@ -279,17 +279,17 @@ def _train(
         return Sample(batch=batch, is_padding=is_padding, realized_size=int(np.sum(~is_padding)))
 
     def make_stage_step(index: int) -> Any:
-        return dp_step(
+        common = {"microbatch_size": microbatch, "mesh": mesh, "data_axis": batch_axes(mesh)}
+        if not private:
+            return make_train_step(loss_fn, tx, **common)
+        return make_dp_train_step(
             loss_fn,
             tx,
-            private=private,
             clip_norm=config.privacy.clip_norm,
             noise_multiplier=stage.noise_multiplier,
             expected_batch_size=stage.expected_batch_size,
-            microbatch_size=microbatch,
-            clipping=clipping,
-            mesh=mesh,
-            shardings=None,
+            clipping_method=clipping,
+            **common,
         )
 
     record = {} if run is None else {"run": run}

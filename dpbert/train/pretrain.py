@@ -1,8 +1,9 @@
 """`dpbert pretrain`: masked-LM pretraining of BERT with DP-SGD (or without, for baselines).
 
 The pretraining task on the training engine (`dpbert.train.engine`, which owns the loop,
-checkpoints, resume and SIGTERM): run folder, data (`open_data`), model and state
-(`dpbert.train.model_state`), the masked-LM loss and held-out scoring (`dpbert.train.mlm`),
+checkpoints, resume and SIGTERM): run folder, data (`open_data`: the Poisson sample of each step is
+`sample_batch`), the step (`build_setup`: model, optimizer, masking, keys, loss, and each stage's
+DP step from `dpbert.privacy.dp_step`), the masked-LM loss and held-out scoring (`dpbert.train.mlm`),
 the privacy plan (`dpbert.config.plan`), the loop, the end of run (`dpbert.train.pretrain_report`).
 `pretrain(...)` is the library entry point; the CLI only parses flags and calls it.
 
@@ -65,6 +66,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 from jax.sharding import Mesh
 from tqdm.auto import tqdm
 
@@ -75,6 +77,7 @@ from dpbert.data.store import TokenStore, prepare_store, train_texts
 from dpbert.data.tokenizer import load_tokenizer, resolve_tokenizer, train_dp_wordpiece
 from dpbert.model import functional
 from dpbert.privacy.documents import SEQUENCE_PADDING
+from dpbert.privacy.dp_step import StepFn, make_dp_train_step, make_train_step
 from dpbert.privacy.randomness import SECRET_FILE, RunSecret, mechanism_key, read_secret
 from dpbert.privacy.sampling import check_document_offsets
 from dpbert.release.export import RANDOMNESS_FILE
@@ -92,7 +95,7 @@ from dpbert.train.engine import (
     run_loop,
     secret_for_run,
 )
-from dpbert.train.mesh import make_mesh
+from dpbert.train.mesh import batch_axes, make_mesh
 from dpbert.train.metrics import MetricsLog
 from dpbert.train.mlm import (
     evaluate,
@@ -103,17 +106,17 @@ from dpbert.train.mlm import (
     max_predictions,
     unigram_token,
 )
-from dpbert.train.model_state import (
+from dpbert.train.pretrain_report import RunResult, export_release, print_report, recipe_reference, write_hf
+from dpbert.train.state import (
+    AbstractState,
+    TrainState,
     abstract_state,
     bert_config,
     init_state,
     learning_rate,
     make_optimizer,
-    make_step,
     run_keys,
 )
-from dpbert.train.pretrain_report import RunResult, export_release, print_report, recipe_reference, write_hf
-from dpbert.train.state import TrainState
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -400,129 +403,111 @@ def _finish(
     return result
 
 
-def pretrain(
-    recipe_path: str | os.PathLike[str],
-    output_dir: str | os.PathLike[str],
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Setup:
+    """What every pretraining step of a recipe is built from (`build_setup`): the model config,
+    the optimizer, the abstract state in the mesh's shardings, the masking, the run's keys and the
+    per-example masked-LM loss. `pretrain`, `dpbert pretrain --compile-only` and the audit build it
+    the same way, so they compile the same step."""
+
+    recipe: Recipe
+    mesh: Mesh
+    config: Any
+    optimizer: optax.GradientTransformation
+    abstract: AbstractState
+    masker: Callable[..., dict[str, jax.Array]]
+    masking_key: jax.Array
+    stage_keys: tuple[jax.Array, ...]
+    loss_fn: Any
+
+    def stage_step(self, *, noise_multiplier: float, expected_batch_size: int) -> StepFn:
+        """The jitted step of one schedule stage: the DP-SGD step of `dpbert.privacy.dp_step`
+        (clipped sum, noise once, division by the expected batch) or, without privacy, its
+        non-private twin; batch split over all mesh axes, state in its shardings, donated."""
+        r = self.recipe
+        common: dict[str, Any] = {
+            "microbatch_size": r.train.microbatch_size,
+            "mesh": self.mesh,
+            "data_axis": batch_axes(self.mesh),
+            "state_shardings": self.abstract.shardings,
+        }
+        if not r.privacy.enabled:
+            return make_train_step(self.loss_fn, self.optimizer, **common)
+        return make_dp_train_step(
+            self.loss_fn,
+            self.optimizer,
+            clip_norm=r.privacy.clip_norm,
+            noise_multiplier=noise_multiplier,
+            expected_batch_size=expected_batch_size,
+            clipping_method=r.train.clipping,
+            **common,
+        )
+
+
+def build_setup(
+    recipe: Recipe,
+    mesh: Mesh,
     *,
-    overrides: Iterable[str] = (),
-    resume: bool = False,
-    show_fill_mask: bool = False,
-    progress: bool = True,
-    log: Callable[[str], None] = print,
-    noise_seed_file: str | os.PathLike[str] | None = None,
-    mechanism: str = "pretrain",
-    release: bool = True,
-) -> RunResult:
-    """Run (or resume) the recipe in `output_dir`; see the module docstring for guarantees.
+    config: Any,
+    seq_len: int,
+    token_ids: dict[str, Any],
+    secret: RunSecret | None,
+    mechanism: str,
+) -> Setup:
+    """The `Setup` of `recipe` on `mesh` for a model `config` (`bert_config`).
 
-    `noise_seed_file`: an auditor's secret (hex) instead of a fresh OS CSPRNG draw, so that the
-    run can be reproduced by whoever holds the file; the release says so. `mechanism` names the
-    purpose the keys are derived for (an audit's training run passes its own). `release=False`
-    skips the final `hf/` and `release/` folders (a sweep's arms: only the numbers are kept)."""
-    started = time.perf_counter()
-    primary = distributed.is_primary()
-    if not primary:
-        log = _silent
-    recipe = load_recipe(recipe_path, overrides)
-    run_dir = Path(output_dir)
-    ckpt_dir = run_dir / "checkpoints"
-    if not resume and has_checkpoints(ckpt_dir):
-        raise ValueError(
-            f"run folder {run_dir} already holds checkpoints; pass --resume to continue it or choose another --output-dir"
-        )
-    run_dir.mkdir(parents=True, exist_ok=True)
-    if not recipe.privacy.enabled and noise_seed_file is not None:
-        raise ValueError(
-            "--noise-seed-file: the recipe is non-private (privacy.enabled: false); there is no noise to seed"
-        )
-
-    # --- data
-    secret = None
-    if recipe.data.tokenizer == "dp":  # the DP vocabulary is the run's first mechanism: it needs the secret now
-        secret = _shared_secret(ckpt_dir, resume=resume, supplied=noise_seed_file)
-        if primary:
-            dp_vocabulary_dir(recipe, run_dir, secret, mechanism, resume=resume, log=log)
-        distributed.barrier("dpbert pretrain: DP vocabulary ready")
-    data = open_data(recipe, run_dir, log)
-    manifest, offsets, n_train = data.manifest, data.offsets, data.n_train
-
-    # --- devices, model and optimizer
-    mesh = make_mesh(data=recipe.mesh.data, fsdp=recipe.mesh.fsdp)
-    devices = mesh.devices.size
-    config = bert_config(recipe, manifest.vocab_size)
-    vocab_size = config.vocab_size
-    recipe = dataclasses.replace(recipe, model=dataclasses.replace(recipe.model, vocab_size=vocab_size))
-    # --- privacy plan (refuses a schedule that would pass the target epsilon, before anything is written),
-    # from the recipe as written: the device's settings below never change the ledger
-    plan = plan_recipe(recipe, data.stored_units)
-    written = recipe
-    if recipe.train.tune_for_device and offsets is None:  # document batches keep the recipe's micro-batch
-        settings = device_settings(
-            recipe,
-            config,
-            num_predictions=max_predictions(manifest.seq_len, recipe.data.mask_prob),
-            dataset_size=n_train,
-            physical_batch_sizes=plan.physical_batch_sizes,
-            devices=devices,
-        )
-        recipe = dataclasses.replace(recipe, train=settings.apply(recipe.train))
-        log(settings.describe())
+    Args:
+      seq_len: tokens per stored sequence (the store's).
+      token_ids: `mask_token_id`, `special_token_ids` and `pad_id` of the vocabulary.
+      secret: the run's secret (private runs; None for a non-private run, whose keys come from
+        `train.seed`); `mechanism` names the purpose the keys are derived for.
+    """
     optimizer = make_optimizer(recipe)
     abstract = abstract_state(recipe, config, optimizer, mesh)
-    graphdef = abstract.graphdef
-    if recipe.privacy.enabled and secret is None:
-        secret = _shared_secret(ckpt_dir, resume=resume, supplied=noise_seed_file)
     masking_key, stage_keys = run_keys(recipe, secret, mechanism)
     masker = make_masker(
-        vocab_size=vocab_size,
-        mask_token_id=manifest.mask_id,
-        special_token_ids=tuple(manifest.special_token_ids),
-        pad_id=manifest.pad_id,
+        vocab_size=config.vocab_size,
         mask_prob=recipe.data.mask_prob,
-        num_predictions=max_predictions(manifest.seq_len, recipe.data.mask_prob),
+        num_predictions=max_predictions(seq_len, recipe.data.mask_prob),
+        **token_ids,
     )
-    loss_fn = make_mlm_loss(recipe, graphdef, masker, masking_key)
-    eval_fn = make_eval_fn(graphdef, masker, manifest.mask_id)
-    mb = recipe.train.microbatch_size
-    device_batches = tuple(device_batch_size(b, devices, mb) for b in plan.physical_batch_sizes)
-    _log_setup(recipe, plan, mesh, device_batches, log)
-
-    # --- state: restored into its shardings, or created in them
-    fingerprints = state_fingerprints(recipe, manifest, n_train)
-    checkpoints = CheckpointStore(ckpt_dir, keep=recipe.train.keep_checkpoints)
-    metrics_path = run_dir / "metrics.jsonl"
-    state = restore_or_init(
-        checkpoints,
-        resume=resume,
-        like=(abstract.params, abstract.opt_state),
-        init=lambda: init_state(recipe, abstract, optimizer),
-        fingerprints=fingerprints,
-        plan=plan,
-        total_steps=recipe.total_steps,
-        metrics_paths=(metrics_path,),
-        log=log,
+    return Setup(
+        recipe=recipe,
+        mesh=mesh,
+        config=config,
+        optimizer=optimizer,
+        abstract=abstract,
+        masker=masker,
+        masking_key=masking_key,
+        stage_keys=stage_keys,
+        loss_fn=make_mlm_loss(recipe, abstract.graphdef, masker, masking_key),
     )
-    if primary:
-        save_recipe(written, run_dir / "recipe.yaml")
-        if secret is not None:
-            write_json(run_dir / RANDOMNESS_FILE, {"source": secret.source})
 
-    # --- loop
-    metrics = MetricsLog(metrics_path) if primary else None
+
+def _train(
+    setup: Setup,
+    plan: Plan,
+    data: TrainData,
+    state: TrainState,
+    *,
+    checkpoints: CheckpointStore,
+    fingerprints: dict[str, str],
+    run_dir: Path,
+    device_batches: tuple[int, ...],
+    eval_fn: Any,
+    progress: bool,
+) -> tuple[TrainState, dict[str, Any] | None]:
+    """The loop of a pretraining run (`run_loop` with this task's step, sample, evaluation and
+    ledger file); returns the final state and the final evaluation (None after SIGTERM)."""
+    recipe, mesh, stage_keys = setup.recipe, setup.mesh, setup.stage_keys
+    primary = distributed.is_primary()
+    metrics = MetricsLog(run_dir / "metrics.jsonl") if primary else None
     total = recipe.total_steps
-    bar = _progress_bar(total, state.step, enabled=progress and primary)
+    bar = _progress_bar(total, state.step, enabled=progress)
 
-    def make_stage_step(index: int) -> Any:
+    def make_stage_step(index: int) -> StepFn:
         stage = plan.schedule.stages[index]
-        return make_step(
-            recipe,
-            loss_fn,
-            optimizer,
-            noise_multiplier=stage.noise_multiplier,
-            expected_batch_size=stage.expected_batch_size,
-            mesh=mesh,
-            shardings=abstract.shardings,
-        )
+        return setup.stage_step(noise_multiplier=stage.noise_multiplier, expected_batch_size=stage.expected_batch_size)
 
     def run_eval(state: TrainState) -> dict[str, Any]:
         result = evaluate(
@@ -578,6 +563,133 @@ def pretrain(
         if metrics is not None:
             metrics.close()
         checkpoints.close()
+
+    return state, last_eval
+
+
+def pretrain(
+    recipe_path: str | os.PathLike[str],
+    output_dir: str | os.PathLike[str],
+    *,
+    overrides: Iterable[str] = (),
+    resume: bool = False,
+    show_fill_mask: bool = False,
+    progress: bool = True,
+    log: Callable[[str], None] = print,
+    noise_seed_file: str | os.PathLike[str] | None = None,
+    mechanism: str = "pretrain",
+    release: bool = True,
+) -> RunResult:
+    """Run (or resume) the recipe in `output_dir`; see the module docstring for guarantees.
+
+    Args:
+      recipe_path, overrides: the recipe and its `--set KEY=VALUE` overrides.
+      output_dir: the run folder; resume: continue its checkpoints (exact replay).
+      show_fill_mask, progress, log: what is printed.
+      noise_seed_file: an auditor's secret (hex) instead of a fresh OS CSPRNG draw, so that the
+        run can be reproduced by whoever holds the file; the release says so.
+      mechanism: the purpose the keys are derived for (an audit's training run passes its own).
+      release: False skips the final `hf/` and `release/` folders (a sweep's arms).
+    Returns:
+      `RunResult`: steps, epsilon and delta, held-out figures, wall time and the release folder."""
+    started = time.perf_counter()
+    primary = distributed.is_primary()
+    if not primary:
+        log = _silent
+    recipe = load_recipe(recipe_path, overrides)
+    run_dir = Path(output_dir)
+    ckpt_dir = run_dir / "checkpoints"
+    if not resume and has_checkpoints(ckpt_dir):
+        raise ValueError(
+            f"run folder {run_dir} already holds checkpoints; pass --resume to continue it or choose another --output-dir"
+        )
+    run_dir.mkdir(parents=True, exist_ok=True)
+    if not recipe.privacy.enabled and noise_seed_file is not None:
+        raise ValueError(
+            "--noise-seed-file: the recipe is non-private (privacy.enabled: false); there is no noise to seed"
+        )
+
+    # --- data
+    secret = None
+    if recipe.data.tokenizer == "dp":  # the DP vocabulary is the run's first mechanism: it needs the secret now
+        secret = _shared_secret(ckpt_dir, resume=resume, supplied=noise_seed_file)
+        if primary:
+            dp_vocabulary_dir(recipe, run_dir, secret, mechanism, resume=resume, log=log)
+        distributed.barrier("dpbert pretrain: DP vocabulary ready")
+    data = open_data(recipe, run_dir, log)
+    manifest, offsets, n_train = data.manifest, data.offsets, data.n_train
+
+    # --- devices, model and optimizer
+    mesh = make_mesh(data=recipe.mesh.data, fsdp=recipe.mesh.fsdp)
+    devices = mesh.devices.size
+    config = bert_config(recipe, manifest.vocab_size)
+    vocab_size = config.vocab_size
+    recipe = dataclasses.replace(recipe, model=dataclasses.replace(recipe.model, vocab_size=vocab_size))
+    # --- privacy plan (refuses a schedule that would pass the target epsilon, before anything is written),
+    # from the recipe as written: the device's settings below never change the ledger
+    plan = plan_recipe(recipe, data.stored_units)
+    written = recipe
+    if recipe.train.tune_for_device and offsets is None:  # document batches keep the recipe's micro-batch
+        settings = device_settings(
+            recipe,
+            config,
+            num_predictions=max_predictions(manifest.seq_len, recipe.data.mask_prob),
+            dataset_size=n_train,
+            physical_batch_sizes=plan.physical_batch_sizes,
+            devices=devices,
+        )
+        recipe = dataclasses.replace(recipe, train=settings.apply(recipe.train))
+        log(settings.describe())
+    if recipe.privacy.enabled and secret is None:
+        secret = _shared_secret(ckpt_dir, resume=resume, supplied=noise_seed_file)
+    token_ids = {
+        "mask_token_id": manifest.mask_id,
+        "special_token_ids": tuple(manifest.special_token_ids),
+        "pad_id": manifest.pad_id,
+    }
+    setup = build_setup(
+        recipe, mesh, config=config, seq_len=manifest.seq_len, token_ids=token_ids, secret=secret, mechanism=mechanism
+    )
+    abstract, optimizer = setup.abstract, setup.optimizer
+    graphdef = abstract.graphdef
+    eval_fn = make_eval_fn(graphdef, setup.masker, manifest.mask_id)
+    mb = recipe.train.microbatch_size
+    device_batches = tuple(device_batch_size(b, devices, mb) for b in plan.physical_batch_sizes)
+    _log_setup(recipe, plan, mesh, device_batches, log)
+
+    # --- state: restored into its shardings, or created in them
+    fingerprints = state_fingerprints(recipe, manifest, n_train)
+    checkpoints = CheckpointStore(ckpt_dir, keep=recipe.train.keep_checkpoints)
+    metrics_path = run_dir / "metrics.jsonl"
+    state = restore_or_init(
+        checkpoints,
+        resume=resume,
+        like=(abstract.params, abstract.opt_state),
+        init=lambda: init_state(recipe, abstract, optimizer),
+        fingerprints=fingerprints,
+        plan=plan,
+        total_steps=recipe.total_steps,
+        metrics_paths=(metrics_path,),
+        log=log,
+    )
+    if primary:
+        save_recipe(written, run_dir / "recipe.yaml")
+        if secret is not None:
+            write_json(run_dir / RANDOMNESS_FILE, {"source": secret.source})
+
+    # --- loop
+    state, last_eval = _train(
+        setup,
+        plan,
+        data,
+        state,
+        checkpoints=checkpoints,
+        fingerprints=fingerprints,
+        run_dir=run_dir,
+        device_batches=device_batches,
+        eval_fn=eval_fn,
+        progress=progress and primary,
+    )
 
     # --- end of run
     return _finish(

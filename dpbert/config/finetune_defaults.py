@@ -10,7 +10,7 @@ Language Models Can Be Strong Differentially Private Learners"; Yu et al. 2022,
 - epochs: a budget of examples processed, `EXAMPLE_BUDGET` (at least `MIN_EPOCHS`, at most
   `MAX_EPOCHS` passes): a small task gets many epochs, so that it still gets enough steps at a
   large batch; a large one gets the usual few.
-- expected batch size: the recommendation of `dpbert.privacy.planner.plan_batch_sizes` for that
+- expected batch size: the recommendation of `dpbert.privacy.batch_sizes.plan_batch_sizes` for that
   example budget (the same calibration a run uses): the sampling rate at which the noise of the
   averaged gradient, sigma/B, is smallest while at least `MIN_STEPS` steps remain, stopping at
   diminishing returns. Candidates are powers of two up to n/2 (q <= 0.5).
@@ -25,9 +25,7 @@ Language Models Can Be Strong Differentially Private Learners"; Yu et al. 2022,
   zero, so the update needs larger steps); at epsilon 3, 1e-2 reached 0.693. The head (pooler and classifier) takes steps `head_lr_multiplier` (3) times larger: it
   starts from scratch or, as all-MiniLM-L6-v2's pooler, from a pretrained layer whose output
   barely varies across sentences (std 0.036 per unit against 0.2 for the [CLS] state it reads).
-  Measured on 2,000 real movie-review sentences (epsilon 8, 40 steps): bias terms at lr 5e-3
-  with the pooler frozen stayed at the majority class; with the pooler trained, lr 1e-2 reached
-  0.62 dev accuracy, and with the head at 3x (the defaults now), 0.650 (majority class 0.526).
+  (Measurements behind these choices: docs/RESULTS.md, "Design measurements".)
 
 Nothing here reads the private data except its size n (public, as in every DP run of dpbert).
 """
@@ -38,7 +36,7 @@ import dataclasses
 import math
 from typing import Any
 
-from dpbert.privacy.planner import plan_batch_sizes, quiet_accountant_warnings
+from dpbert.privacy.batch_sizes import plan_batch_sizes, quiet_accountant_warnings
 
 EXAMPLE_BUDGET = 10_000  # examples processed by a default run (n * epochs), before clamping
 MIN_EPOCHS = 3

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from dpbert.config import finetune_plan as fp
+from dpbert.config import finetune_defaults as fp
 
 
 @pytest.mark.parametrize("n", [100, 2_000, 67_349])

@@ -1,4 +1,4 @@
-"""dpbert.privacy.planner and `dpbert plan`: the planner's sigma is the calibration training uses."""
+"""dpbert.privacy.batch_sizes and `dpbert plan`: the planner's sigma is the calibration training uses."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 from dpbert.cli import main
 from dpbert.config.plan import make_plan
 from dpbert.config.recipe import load_recipe
-from dpbert.privacy.planner import PlanRow, _recommend, plan_batch_sizes
+from dpbert.privacy.batch_sizes import PlanRow, _recommend, plan_batch_sizes
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
 N, EPSILON, DELTA = 45_000, 8.0, 1e-6
@@ -91,6 +91,8 @@ def test_plan_cli_prints_a_table_and_json(capsys):
         "40",
         "--batch-sizes",
         "512,1024",
+        "--min-steps",
+        "10",
     ]
     assert main(args) == 0
     table = capsys.readouterr().out

@@ -10,7 +10,7 @@ vocabulary 8192, with the same physical batch and micro-batch:
   batch itself, which is O(B) by nature), and their ratios;
 - seconds per Poisson sample call at N = 500,000,000, B = 2,097,152.
 
-Run: `python benchmarks/dp_step.py [--steps 3] [--batch 64] [--microbatch 4]` (defaults as `dpbert bench`).
+Run: `python benchmarks/dp_overhead.py [--steps 3] [--batch 64] [--microbatch 4]` (defaults as `dpbert bench`).
 """
 
 from __future__ import annotations
