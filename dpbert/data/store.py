@@ -1,45 +1,14 @@
 """Token stores: packed pretraining examples on disk, memory-mapped for random access.
 
-A store is a folder::
+A store is a folder with `manifest.json`, the train and held-out token arrays, each split's
+document offsets and the tokenizer the ids belong to (layout: docs/INTERNALS.md). `prepare_store`
+tokenizes and packs a corpus (`dpbert.data.packing`: never spanning two documents); the held-out
+split holds out whole documents.
 
-    STORE/manifest.json   what is inside (StoreManifest), format version 1
-    STORE/train.bin       raw little-endian uint16 (vocab <= 65536) or int32, shape [N_train, seq_len]
-    STORE/eval.bin        the same for the held-out documents, shape [N_eval, seq_len]
-    STORE/train.documents.npy, STORE/eval.documents.npy
-                          int64 [D + 1]: document d of the split is rows offsets[d] .. offsets[d+1]-1
-                          (documents in corpus order; an empty document has offsets[d] == offsets[d+1])
-    STORE/tokenizer/      the tokenizer the ids belong to (loadable by AutoTokenizer)
-
-Examples are packed by `dpbert.data.packing` (``[CLS] tokens [SEP] [PAD]...``, never spanning two
-documents). The eval split holds out whole DOCUMENTS, chosen by a seeded draw over document
-indices, so no eval text is in train: round(eval_fraction * D) documents (at least 1) when the
-corpus size D is known, each document independently with probability eval_fraction for a
-streamed Hub corpus.
-
-Guarantees of `prepare`: the output depends only on (corpus, tokenizer, seq_len, eval_fraction,
-seed), not on `num_proc`; the store appears at its final path complete or not at all (built in a
-temporary sibling folder, then renamed); any failure, a full disk included, removes the
-temporary folder and raises an error naming the store.
-
-The vocabulary's origin is recorded without any machine path (`dpbert.data.tokenizer.vocabulary_origin`):
-`vocab_origin` (a sentence: "public" for a packaged vocabulary, "trained on ..." for one learned from
-the corpus, "declared public by the user ..." for a folder the recipe declares public),
-`vocab_origin_kind` ("packaged", "declared", "dp", "train" or "unknown", for programs),
-`tokenizer_source` (a packaged name such as "bert-base-uncased-8k", or a folder's name and the sha256
-of its vocabulary files), and `vocab_covered_by_dp_guarantee`. A vocabulary learned from the private
-corpus is NOT covered by the DP guarantee, unless it was learned under DP (`data.tokenizer: dp`,
-whose folder's marker says so and whose event is in the run's ledger); a folder with no dpbert record
-that was not declared public is "unknown", never "public". The store's tokenizer/ folder carries the
-same record in dpbert's marker, so a folder reused from a store keeps it. The origin is part of the
-request a store is matched on: a store prepared before it was recorded is prepared again.
-
-Per split, the manifest also records how many sequences a document contributes
-(`max_sequences_per_document`, `mean_sequences_per_document`, the mean over documents that
-contribute at least one sequence), counted while packing: the DP guarantee protects one sequence,
-and these counts say how far that is from protecting a document. Stores written before these
-counts existed read them as None (unknown). The document offsets make the document a unit that
-sampling can use (`privacy.unit: document`); stores written before them have none
-(`TokenStore.document_offsets` then says to rebuild the store).
+Guarantees: the output depends only on (corpus, tokenizer, seq_len, eval_fraction, seed); a store
+appears at its final path complete or not at all (built in a temporary sibling, then renamed);
+the vocabulary's origin is recorded without any machine path, and a folder with no record that
+was not declared public is "unknown", never "public". Its per-document counts stay in the store.
 """
 
 from __future__ import annotations

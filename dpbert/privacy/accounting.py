@@ -1,50 +1,14 @@
 """Privacy accounting for a DP-SGD schedule with `dp_accounting`, and the privacy ledger.
 
 A stage of T steps with Poisson sampling rate q = B/N and noise multiplier sigma is the event
-`SelfComposedDpEvent(PoissonSampledDpEvent(q, GaussianDpEvent(sigma)), T)`; a schedule is the
-composition of its stages. Stages are composed whole, never step by step (composing steps one
-at a time is slow and loses PLD precision). The neighbouring relation is add-or-remove one
-example sequence, which is what Poisson sampling with a clipped *sum* of sensitivity C and
-noise N(0, (sigma*C)^2) gives.
+SelfComposed(PoissonSampled(q, Gaussian(sigma)), T); a schedule composes its stages whole. The
+relation is add-or-remove one unit (a sequence, or a document with its per-document cap).
+`PrivacyLedger` records everything epsilon depends on and recomputes it.
 
-Truncation: when a stage has a finite `physical_batch_size`, the sampler keeps a uniformly
-random subset of that size if the Poisson sample overflows. The truncated run differs from the
-untruncated one only on the overflow events, whose total probability is
-p_T = sum over stages of steps * P[Binomial(N+1, q) > physical_batch_size]. So the run is
-(epsilon, delta + (1 + e^epsilon) * p_T)-DP; `PrivacyLedger.truncation_delta()` is that
-extra term and the budget check refuses a ledger where it exceeds 1% of delta.
-
-Document-level DP (`privacy_unit` "one document"): the Poisson sample is over documents (q =
-expected documents / N documents) and each document's summed gradient is clipped to C, so the
-event is the same subsampled Gaussian with the document as the unit; the ledger then records
-`max_sequences_per_document`, the most sequences one document contributes to a step.
-
-Group privacy (`group_epsilon`): what a sequence-level run gives for a group of k sequences (a
-whole document of k sequences). With Poisson sampling each of the k sequences joins a step
-independently, so the sum moves by j C with j ~ Binomial(k, q) (worst case: aligned
-gradients): a mixture-of-Gaussians event (`dp_accounting.MixtureOfGaussiansDpEvent`, PLD), the
-analysis of jax_privacy's user-level DP-SGD accountant with examples_per_user = k, and far
-tighter than the (k eps, k e^{(k-1) eps} delta) rule of thumb.
-
-A vocabulary learned under DP (`VocabularyEvent`, `dpbert.privacy.vocabulary`): each counted unit
-(a window of w words, or a document) adds 1 to the count of each of at most k distinct words;
-Gaussian noise N(0, (sigma * L2)^2) is added to every count, where L2 is how far one unit of the
-*ledger's* guarantee moves the counts (one document under document-level DP: sqrt(k); one training
-sequence: sqrt(2k) when documents are counted, `window_sequence_sensitivity` when windows are, since a
-sequence can meet two windows), and only counts above a threshold are kept. Released counts are the
-Gaussian mechanism, `GaussianDpEvent(sigma)`, composed with training's events in one ledger for one
-unit; a word counted in only one of two neighbouring corpora passes the threshold with probability at
-most `selection_delta` over all such words (Gaussian partition selection: Korolova et al. 2009, Gopi
-et al. 2020), which adds `selection_delta` to the release's delta.
-
-Delta: the guarantee holds at `PrivacyLedger.total_delta()` (delta + truncation + the vocabulary's
-selection delta + a noise tail bound when one is added), and `check_budget` refuses a ledger whose
-total is not below 1/N (`check_total_delta`).
-
-Guarantees: `compute_epsilon` is the accountant's epsilon for the whole schedule at `delta`
-(PLD is pessimistic by construction); `calibrate_noise_multiplier` returns noise multipliers
-whose epsilon is <= the target (checked after the search); `PrivacyLedger.epsilon()`
-recomputes epsilon from the ledger's own fields, so anyone holding `privacy.json` can.
+Guarantees: the truncation of Poisson samples at the physical batch is accounted in delta
+(`truncation_delta`, for the public bound on stored units); calibration returns a schedule whose
+recomputed epsilon is at most the target; group privacy for a document of k sequences is an upper
+bound. Details (truncation, PLD grids, group privacy): docs/INTERNALS.md.
 """
 
 from __future__ import annotations

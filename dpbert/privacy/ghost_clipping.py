@@ -1,62 +1,14 @@
-"""Exact per-example clipping without per-example gradients ("ghost" norms + book-keeping),
-for any loss that exposes taps: the DP core's side of ghost clipping, model-free.
+"""Exact per-example clipping without per-example gradients ("ghost" norms + book-keeping), for any
+loss that exposes taps: the DP core's side of ghost clipping, model-free.
 
-For every layer whose parameters enter linearly, the per-example gradient is a product of two
-quantities a backward pass already has: the layer's input `a` [T, d_in] and the gradient of
-the loss with respect to its output `g` [T, d_out] (taken with the perturbation trick: a
-zero tensor `z` is added to each layer output and d loss / d z is the output gradient). So
+For every layer whose parameters enter linearly, the per-example gradient is a^T g (the layer's
+input and the gradient at its output, from the perturbation trick); its squared norm is computed as
+a ghost norm or from the instantiated product, chosen statically per layer shape
+(`dense_layer_mode`), and the clipped sum is one weighted contraction per layer.
 
-- the squared per-example norm of a dense kernel is ||a^T g||_F^2, computed either as
-  sum_{t,s} (a_t . a_s)(g_t . g_s) (the "ghost" norm, T^2 (d_in + d_out) flops) or from
-  the per-example gradient a^T g itself (T d_in d_out flops), chosen statically per layer
-  shape (`dense_layer_mode`: "mixed" ghost clipping, Bu et al. 2022);
-- the clipped sum is sum_i w_i a_i^T g_i with w_i = min(1, C / ||grad_i||), one einsum per
-  layer, or a contraction of the instantiated per-example gradients with w ("book-keeping",
-  Bu et al. 2023): no second backward pass, and no [M, params] tensor beyond the layers that
-  are instantiated (their per-micro-batch memory is M d_in d_out floats each).
-
-The interface (as Opacus' per-layer-type grad samplers, but declared by the loss instead of
-discovered from modules): a `GhostLoss` is a plain `loss_fn(params, example, rng)` that also
-
-- declares its taps, `tap_groups(params) -> {group: TapGroup}`: each tap is a name and a kind
-  that says which parameters it covers and how they enter the tapped output: `Dense` (kernel
-  and optional bias; the kernel may be stored transposed, as a decoder tied to an embedding
-  table), `ScaleBias` (an elementwise affine such as LayerNorm's, input xhat), `Bias` (a bias
-  added to an output), `Lookup` (rows of a table gathered by integer ids) and `Positions` (a
-  table's first rows added by position); a group is either flat or a stack of layers (every
-  parameter under a prefix has a leading layer axis and its taps come from a scanned layer
-  body: the core scans its norms and sums over that axis too, so compile time does not grow
-  with depth);
-- runs one example with its taps, `tapped(params, example, rng, z) -> (loss, inputs,
-  outputs)`: `inputs[group][name]` is the tap's input (`a` of a Dense, xhat of a ScaleBias,
-  the int ids of a Lookup, None for Bias and Positions), `outputs[group][name]` its output
-  with `z[group][name]` added (z None: nothing added). A stacked group's inputs and outputs
-  carry the leading layer axis. `Tape` records both while the forward runs. A Bias tap's z
-  has the shape of the bias ([d], broadcast over the output's other axes), so its gradient is
-  the per-example bias gradient itself, summed inside the backward pass (no [T, d] output
-  gradient is kept: a bias-only subset's clipping costs about a plain backward pass).
-
-The core checks that the taps cover every parameter exactly once (a parameter shared by a
-`Lookup` and a transposed `Dense`, a tied decoder, is the one exception: its per-example norm
-||G_in + G_dec||^2 = ||G_in||^2 + ||G_dec||^2 + 2 <G_in, G_dec> takes the cross term
-sum_{t,p} e_p[id_t] (x_p . g_t) computed here) and refuses the loss otherwise: a parameter
-without a tap would escape clipping. Every rule sums over all rows of an example's taps, so an
-example may hold several sequences (a document) and its norm is that of its summed gradient.
-
-`ghost_clipped_grad_sum(loss, params, batch, is_padding, rng, ...)` has the signature and the
-guarantees of `clipping.clipped_grad_sum` (sensitivity clip_norm, padding and non-finite
-examples contribute exactly zero, per-example keys fold_in(rng, global position), ClipStats
-not private). The two paths agree to float tolerance; the choice changes neither the noise
-nor the accounting (noise is added by the step on the returned sum). One difference at the
-extreme: a finite gradient whose squared norm overflows float32 (norm > ~1e19) is dropped
-(counted non-finite) here, clipped there; both keep the sensitivity at clip_norm. No piece of
-the program grows with the micro-batch size M (per-example sums are one dot for M > 8, see
-`_weighted_example_sum`).
-
-Precision: norms, clip factors and the clipped sum are float32 at HIGHEST precision whatever
-the model's compute dtype (bfloat16 taps are cast first; every contraction here is `_einsum`
-or a HIGHEST dot), so the bound holds on accelerators, whose default TF32 or one-pass bfloat16
-contractions let a clipped example exceed C by up to ~2^-9 of its norm.
+Guarantees: the same clipped sum as vmap clipping (`dpbert.privacy.clipping`) to float tolerance,
+every example's contribution at most C (norms in float32 at full precision, rule 8 of
+`dpbert.privacy`). The derivation and the tap protocol: docs/INTERNALS.md.
 """
 
 from __future__ import annotations

@@ -1,40 +1,12 @@
 """The Gaussian mechanism on a clipped gradient sum.
 
 Guarantees: `privatize` adds N(0, (noise_multiplier * clip_norm)^2) independently to every
-coordinate of the *global* sum, exactly once per call, and then divides by the public
-`expected_batch_size` (never by the realized batch size, which is private under Poisson
-sampling). With a sum of sensitivity `clip_norm` this is the subsampled Gaussian mechanism the
-accountant is told about. The noise depends only on `key` and the shapes, not on how the sum
-was computed or sharded: it is one draw of `gaussian` for all coordinates, cut into the leaves in
-pytree order (each leaf starts at a multiple of 128 of the draw, which keeps XLA's slices aligned).
-
-The sampler and its tail (rule 7 of `dpbert.privacy`). jax's float32 `normal` is an inverse erf of
-a float32 uniform and never exceeds sqrt(2) erfinv(1 - 2^-24) = 5.42: a Gaussian mechanism
-truncated that close leaks, since a neighbour shifted by the sensitivity reaches outputs the
-other cannot. `gaussian` is Box-Muller on 32-bit words from `jax.random.bits`:
-z = sqrt(-2 ln u1) * cos(2 pi u2), with u1 = 2^-k * v, where k counts the leading zeros of
-K = 192 random bits (Geometric(1/2), capped at K) and v in [1/2, 1) carries 23 more bits. So u1
-reaches 2^-(K+1), and every output satisfies
-
-    |z| <= sqrt(2 (K+1) ln 2) = 16.357   (MAX_ABS_Z adds 2^-20 for float32 rounding).
-
-Bound. Couple each pair with exact Box-Muller (continuous u1, u2): the two share k unless the
-exact u1 < 2^-(K+1), i.e. unless the exact radius exceeds sqrt(2 (K+1) ln 2), which has
-probability 2^-(K+1) = 8.0e-59 per pair. A run of T steps that uses d normals per step (at most
-d pairs) thus has an output distribution within total variation gamma = d * T * 2^-(K+1) of the
-same run with exact Gaussian noise, whatever its sampling or adaptivity; so if the exact run
-is (epsilon, delta)-DP, this one is (epsilon, delta + (1 + e^epsilon) gamma)-DP, and
-`tail_deviation` returns (1 + e^epsilon) gamma. We bound it below delta; we do not add it.
-Worked numbers: the paper's BERT-Large run (d = 3.4e8, T = 14,000, epsilon = 5.36, delta = 1e-8)
-gives 8.1e-44; recipes/tiny.yaml (d = 1.47e6, T = 1,100, epsilon = 8, delta = 1e-6) 3.8e-46; d = 1e9 and
-T = 1e6 give gamma = 8.0e-44, under 1e-3 * delta for delta >= 1e-12 at any epsilon <= 64.
-Not covered (as for every floating-point sampler): outputs are float32, and the mantissa of u1
-and the angle u2 are quantized to 2^-23 and 2^-24.
-
-Cost: k needs a second word only where the first is zero (2^-32 per pair), so the other
-K - 32 bits are drawn only when some pair of the draw needs them (`lax.cond`, about one step in
-a hundred at BERT-base size). The cosine is a polynomial on a quarter turn: XLA's CPU `cos`
-cost more than the rest of the draw.
+coordinate of the *global* sum, exactly once per call, and divides by the public
+`expected_batch_size` (never by the realized batch size). The noise depends only on `key` and the
+shapes. The sampler (`gaussian`, Box-Muller on 32-bit words with a 192-bit geometric radius) never
+exceeds |z| <= 16.357, and a run's deviation from exact Gaussian noise is bounded by
+`tail_deviation` (rule 7 of `dpbert.privacy`): below 1e-3 delta, not added. The derivation of the
+bound and its worked numbers: docs/INTERNALS.md ("dpbert.privacy.noise").
 """
 
 from __future__ import annotations

@@ -1,39 +1,13 @@
 """Model cards (README.md) rendered from the Jinja2 templates of the top-level `model_cards/` folder.
 
-The templates are installed with dpbert as the package `dpbert.model_cards` (pyproject.toml maps
-`model_cards/` to it); `templates_dir()` says where they were found. `model_cards/README.md` states
-the card's privacy contract field by field, and `model_cards/golden/` holds rendered examples.
+The front matter is built here as data (always valid YAML that `huggingface_hub.ModelCard.load`
+parses); the body's guarantee sections sit between `<!-- dpbert:begin NAME -->` markers and are
+re-rendered by `dpbert verify`; `with_audits` adds audited figures in a section labelled an
+empirical lower bound, not a guarantee.
 
-The YAML front matter is built here as data (so it is always valid YAML that
-`huggingface_hub.ModelCard.load` parses): `library_name: transformers`, `pipeline_tag` (`fill-mask`
-unless `CardInfo.pipeline_tag` says otherwise, e.g. `text-classification` for a fine-tuned classifier),
-tags, a `differential_privacy` block with every guarantee (scope, data, private, epsilon (`.inf` when not
-private), delta, accountant, privacy_unit, sampling, dataset_size and dataset_size_source, randomness,
-and truncation_delta when Poisson samples were truncated; vocabulary_epsilon_share and
-vocabulary_selection_delta when the ledger holds a DP vocabulary) and the vocabulary (origin, covered,
-learned_from_private_data, and `dp` for a DP vocabulary: scope, epsilon_share, selection_delta, unit), and a `model-index` entry with the held-out masked-LM accuracy and any
-`CardInfo.model_index_results` (e.g. GLUE dev metrics). The body comes from a Jinja2 template; the
-per-guarantee table is the shared `_guarantee.md.j2`.
-
-Tags: `differential-privacy`/`dp-sgd` only when every guarantee is private AND the vocabulary was not
-learned from the private data outside them (`ReleaseMetadata.fully_private`); otherwise
-`non-private` (plus `non-private-vocabulary` for such a vocabulary), and the body says plainly what is
-not private. The body states what the guarantees treat as public (each dataset size N and its source,
-the bound on stored units, a declared per-document cap, the vocabulary, the recipe, the randomness
-source), what one privacy unit is in public figures only (sequence length; a declared cap on
-sequences per document; group privacy for documents of a few public sizes, never the corpus' own
-document lengths), keeps data-dependent training figures under "Non-private diagnostics" (their
-values only when the export included them), and says where its evaluation figures come from (a
-public corpus, or the private held-out split: then left out, or labelled as not covered).
-
-The claim and the privacy section of each card are partial templates rendered from the privacy
-metadata alone and written between markers that name them (`GUARANTEE_SECTIONS`, `card_sections`,
-`render_section`): `dpbert verify` renders them again from privacy.json and compares them with the
-card, so an edited body sentence or table fails.
-
-`with_audits` adds empirical audit figures (`dpbert.release.audited`) to an existing card: a
-`differential_privacy.audits` list in the front matter and a section labelled as an empirical lower
-bound, not a guarantee (template `audit_section.md.j2`).
+Guarantees: every privacy claim of a card comes from privacy.json through the templates; the DP
+tags appear exactly when every guarantee is private and the vocabulary was not learned from the
+private data outside them. The card's contract field by field: model_cards/README.md.
 """
 
 from __future__ import annotations

@@ -1,40 +1,13 @@
 """Export a model to a Hugging Face folder with its privacy guarantee attached.
 
-`write_release` is the reusable step (the trainer and fine-tuning call it): weights (a folder with
-config.json + model.safetensors, or any object with `save_pretrained(path)`, like dpbert's Flax models),
-a tokenizer folder, the `ReleaseMetadata` (guarantees with their ledgers) and a `CardInfo`. It writes
+`write_release` writes config.json, the weights, the tokenizer files, privacy.json and the model
+card; `export_run` exports a finished pretraining run (`dpbert export RUN_DIR OUT`).
 
-    config.json          the model config plus `differential_privacy` (private flag, epsilon per guarantee)
-    model.safetensors    the weights, loadable by transformers' BertForMaskedLM / pipeline("fill-mask")
-    tokenizer files      copied from the tokenizer folder (tokenizer.json, vocab.txt, ..., and dpbert's
-                         vocabulary origin marker `dpbert_vocab_origin.json` when the folder has one)
-    privacy.json         the full ledgers, and the sha256 of every weight file (`weights`) and every
-                         tokenizer file (`tokenizer`); see `dpbert.release.metadata`
-    README.md            the model card (see `dpbert.release.card`)
-
-Guarantees: the output folder appears whole or not at all. Everything is written into a hidden
-temporary sibling of `out`, which is renamed into place only after the last file is written; any
-error removes the temporary folder. With `overwrite=True` an existing `out` is swapped out by rename
-and deleted only after the new folder is in place. `privacy.json` records the sha256 of the weight
-and tokenizer files exactly as written. A model folder holding a run's noise secret (`noise_secret`)
-is refused: the secret never reaches a release. No path of the machine that built it: the copied
-marker has its paths redacted, and a release whose files still hold an absolute path is refused.
-
-`export_run` reads a pretraining run folder: RUN_DIR/hf (weights and tokenizer), RUN_DIR/privacy.json
-(the ledger), RUN_DIR/randomness.json (where the noise secret came from: "os-csprng" or
-"supplied-file"; a private run without it is released with randomness "unknown", which `verify`
-rejects), RUN_DIR/recipe.yaml (the resolved recipe, published whole, its local paths redacted), the
-token store manifest (the data's description, the sequence length) and RUN_DIR/metrics.jsonl.
-Public figures only: N, its bound and a declared per-document cap come from the ledger, never a count
-of the store. The vocabulary's origin (`vocabulary.source`: packaged, declared, dp, train, or unknown)
-comes from the recipe's `data.tokenizer` and `data.tokenizer_declared_public`, the ledger's DP
-vocabulary event and dpbert's marker in the tokenizer folder. Held-out figures on the private
-corpus' held-out split (eval records without `eval_public: true`) stay in the run folder unless
-`include_private_metrics=True`; figures on a public evaluation corpus (`eval_public: true`, named by
-`eval_corpus`) are always released, labelled with that corpus, except the unigram baseline (the most
-frequent *training* token: private). The data-dependent training figures are named but their values
-are left out unless `include_diagnostics=True`. The secret itself (RUN_DIR/checkpoints/noise_secret)
-is never read.
+Guarantees: the folder is written to a temporary sibling and renamed into place; a release is
+refused when it would hold a noise secret or a path of the building machine; held-out figures of
+the private corpus and training diagnostics are left out unless asked for, and then labelled not
+covered; the card's title is the Hub repository's name, else the folder's (the run folder's for
+RUN_DIR/release). What each file holds: docs/INTERNALS.md ("dpbert.release.export").
 """
 
 from __future__ import annotations

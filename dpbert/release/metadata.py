@@ -1,72 +1,14 @@
 """The privacy metadata of a release (`privacy.json`) and the copies of it in the card and config.
 
-A release carries one or more *guarantees*, each for its own data: a pretrained checkpoint has one
-("pretraining"), a model fine-tuned from it can add a second ("fine-tuning (TASK)") for the task data.
-Each guarantee holds the full privacy ledger of the run that consumed that data (the
-`PrivacyLedger.to_dict()` of `dpbert.privacy.accounting`: accountant, delta, the public dataset size N
-and where it came from, the public upper bound on the stored units when the ledger has one, clip norm,
-Poisson sampling, privacy unit = one example sequence or one document (then with the declared
-`max_sequences_per_document`, and N counts documents), and per stage the sampling rate, expected batch
-size, noise multiplier, physical batch size and steps), so anyone can recompute epsilon from it. A
-guarantee without a ledger is a non-private use of that data: epsilon is infinity, and the release as
-a whole is private only if every guarantee is.
+A release carries one guarantee per dataset it was trained on ("pretraining", "fine-tuning (TASK)"),
+each with the full privacy ledger of the run (anyone can recompute epsilon from it), where its
+randomness came from, how exact its Gaussian noise is, and what its unit means (public figures
+only). `AuditedFigure` states an audit beside a guarantee, with what the audit spent.
 
-Besides its ledger, a guarantee states where the randomness of its DP mechanism came from
-(`randomness.source`: "os-csprng", a secret drawn from the operating system and never released, or
-"supplied-file", a secret an auditor supplied; anything else is unknown and voids the guarantee), how
-exact its Gaussian noise is (`noise`: the sampler and the bound on its deviation from the exact
-Gaussian over the run, filled in by `noise_record`), and what its unit means (`unit`, `unit_record`):
-public figures only (the sequence length; the declared cap on sequences per document of a
-document-level ledger; for a sequence-level ledger, the epsilon that group privacy gives a document
-of 2, 8, 32 and 128 sequences). No count of the private data (documents, sequences per document,
-stored sequences) is ever part of a release.
-
-`privacy.json` (format "dpbert-privacy/1"):
-
-    {"format": "dpbert-privacy/1", "private": bool, "dpbert_version": str,
-     "guarantees": [{"scope": str, "data": str, "private": bool, "epsilon": float | "inf",
-                     "ledger": {...} | null,
-                     "randomness": {"source": str} | null,
-                     "noise": {"sampler": str, "max_abs_z": float | null, "coordinates": int | null,
-                               "tail_bound": float | null} | null,
-                     "unit": {"sequence_tokens": int | null,
-                              "max_sequences_per_document": int (document-level only: the declared cap),
-                              "group_epsilon": [{"sequences": int, "epsilon": float | "inf"}, ...]
-                                               (sequence-level only)} | null}],
-     "recipe": {"name": str, "sha256": str, "content": str} | null,
-     "weights": {FILE: sha256, ...},
-     "tokenizer": {FILE: sha256, ...},
-     "vocabulary": {"origin": str, "covered": bool, "learned_from_private_data": bool,
-                    "source": "packaged" | "declared" | "dp" | "train" | "unknown"},
-     "public_inputs": [{"input": str, "scope": str (some), "value": ..., "source": str}, ...],
-     "non_private_diagnostics": {"logged": [str, ...], "included": bool, "values": {...} | null},
-     "evaluation": {"corpus": str | null, "public": bool, "step": int | null, "included": bool,
-                    "values": {...} | null, "not_covered": [str, ...]} | null}
-
-A ledger may hold a `vocabulary` event (a vocabulary learned from the guarantee's data under DP,
-`dpbert.privacy.accounting.VocabularyEvent`): the guarantee's epsilon then composes it with training,
-its delta gains the event's `selection_delta`, and `vocabulary_copy`/`public_inputs` say the
-vocabulary came from the private corpus under that guarantee.
-
-`private` is true when every guarantee is private. A vocabulary learned from the private corpus
-without privacy (`learned_from_private_data: true`, `source: train`) is not covered by any guarantee:
-the release is then not private *with respect to its vocabulary*, and its card carries no
-differential-privacy tags. A vocabulary learned under DP (`source: dp`) is learned from the private
-data too, and covered by the guarantee whose ledger holds its event. `public_inputs` is derived from
-the rest (`ReleaseMetadata.public_inputs`): it lists what the guarantee treats as public (each dataset
-size N and its source, the bound on stored units, a declared per-document cap, the vocabulary, the
-recipe, each randomness source). `weights` and `tokenizer` hold the sha256 of every weight file and
-tokenizer file of the release. Data-dependent figures of the training run (realized batch sizes,
-clipped fraction, loss, examples/s) are left out unless an export asks for them (`values`), and are
-never covered by a guarantee; so are evaluation figures computed on the private corpus' held-out
-split (`evaluation`: named, with their values only when the export asked for them), while figures
-on a public evaluation corpus are always released, labelled with that corpus.
-
-No path of the machine that built a release goes into it: `local_paths` finds one in a text,
-`redact_paths` replaces each by `<local path: NAME>`, and `dpbert.release.export.write_release` refuses
-a release whose files still hold one.
-
-JSON has no infinity, so an infinite epsilon is written as the string "inf" (YAML writes `.inf`).
+Guarantees: no count of the private data and no path of the building machine is ever part of a
+release (`local_paths`, `redact_paths`); a vocabulary's origin is recorded, never assumed; data-
+dependent figures are left out unless an export asks for them, and then labelled not covered.
+The format, field by field: docs/INTERNALS.md ("dpbert.release.metadata") and model_cards/README.md.
 """
 
 from __future__ import annotations

@@ -1,71 +1,14 @@
 """Verify a release: every published privacy claim agrees with every other and with the recipe it carries.
 
-`verify_folder` checks, and names the file and field of each failure with what was expected:
+`verify_folder` recomputes each epsilon from its ledger, rebuilds each ledger from the published
+recipe, checks the hashes of the weights and tokenizer, the vocabulary's origin, what is declared
+public, the audited figures' composition, and that the card (front matter and marked sections)
+and config.json say exactly what privacy.json says; each failure names its file and field.
 
-1. **The ledgers are well formed** (`privacy.json`, each guarantee's `ledger`): a known accountant
-   (pld, rdp), privacy unit (one example sequence, or one document with its `max_sequences_per_document`),
-   sampling (poisson) and neighbouring relation; at least one stage, each of at least one step; an
-   integer dataset size N >= 1 and delta < 1/N; a known `dataset_size_source`, and a "rounded" N of
-   2 significant digits (any other N may be the exact private count); a `dataset_size_bound` >= N.
-2. **Epsilon is recomputed** from each ledger (stages of Poisson sampling rate, noise multiplier and
-   steps, at the ledger's delta, with its accountant; `dpbert.release.metadata.recompute_epsilon`) and
-   must equal, within `rtol`, the epsilon privacy.json states; the stated `private` flags must follow;
-   a ledger must not spend more than its own `target_epsilon`, nor lose more than 1% of delta to
-   truncated Poisson samples (the trainer refuses both); the total delta (the ledger's, truncation,
-   a DP vocabulary's selection, the noise's tail bound when added) must stay below 1/N. The `unit`
-   states public figures only (no count of documents or sequences per document of the private data;
-   a document-level cap equal to the ledger's), and its group-privacy table is recomputed by
-   `dpbert.privacy.accounting.group_epsilon` for each stated size.
-3. **The ledger is rebuilt from the recipe** the release carries (`recipe.content`); a private release
-   without one fails ("privacy.json has no recipe: a private release must publish its recipe so that
-   the ledger can be rebuilt"). A pretraining guarantee: the recipe is parsed (`dpbert.config.recipe`)
-   and its DP plan rebuilt by `dpbert.config.plan.plan_recipe` for the ledger's N; calibration is
-   deterministic, so every field (stages, expected and physical batch sizes, sampling rates, noise
-   multipliers, steps, delta, clip norm, accountant, target, N, its source and bound) must be equal,
-   and a difference is named ("privacy.json: guarantees[0].ledger.stages[1].noise_multiplier: 1.23 in
-   the ledger, 0.61 rebuilt from the recipe"); the unit's sequence length must be the recipe's
-   `data.seq_len`. A fine-tuning guarantee ("fine-tuning (TASK)"): the recipe is the fine-tuning
-   config and the ledger is rebuilt by `dpbert.config.finetune.plan_dp` for the ledger's N. The
-   pretraining guarantee a fine-tuned model inherits is reported in `VerificationResult.not_checked`
-   (its recipe is in the source checkpoint's release). A private guarantee of any other scope fails.
-4. **The recipe's sha256** equals the sha256 of its content. **The vocabulary** agrees with the
-   pretraining recipe: `data.tokenizer: dp` says `learned_from_private_data: true`, source "dp", with
-   the event in the ledger; `train` says true (so no DP tags); a packaged name or a folder declared
-   public (`data.tokenizer_declared_public`) says false, with source "packaged" or "declared" (the
-   card then says "declared public"); never null. A public evaluation corpus is the recipe's
-   `data.eval_corpus`.
-5. **The weights and the tokenizer** are the ones published: privacy.json's `weights` and `tokenizer`
-   record the sha256 of every weight file (model.safetensors, or every shard and its index) and every
-   tokenizer file (dpbert's vocabulary origin marker included), and the folder holds exactly those
-   files with exactly those hashes. A folder holding a noise secret fails.
-6. **The randomness** of every private guarantee is recorded as a secret: "os-csprng" passes,
-   "supplied-file" passes with a warning (whoever holds the file can regenerate the noise), anything
-   else (missing, unknown) fails. The exact-Gaussian note (`noise`) is recomputed when the noise
-   module can bound its sampler; an unbounded or missing note is reported in `not_checked`.
-7. **What is public is stated**: `public_inputs` equals what the rest of privacy.json implies (each N,
-   its source and bound, a declared per-document cap, the vocabulary, the recipe, each randomness source).
-8. **Every copy agrees**: the card's front matter (`README.md`: `differential_privacy.guarantees`,
-   matched by scope) and `config.json`'s `differential_privacy` must carry the recomputed epsilon and
-   every other field of the guarantee's summary (delta, accountant, privacy unit, sampling, N, its
-   source and bound, randomness, truncation delta); the card's vocabulary entry and audits must equal
-   privacy.json's; the `private` flag must be "every guarantee is private" in all three files. The
-   card's body too: its guarantee sections (the claim and the privacy section, between
-   `<!-- dpbert:begin NAME -->` markers) are rendered again from privacy.json by the same templates
-   (`dpbert.release.card.render_section`) and must be the card's word for word (the first differing
-   line is named); so must its audit section; and no privacy claim (an epsilon, "differentially
-   private") may stand outside them.
-9. **Tags**: `differential-privacy`/`dp-sgd` on the card exactly when every guarantee is private and
-   the vocabulary was not learned from the private corpus outside them; a release whose vocabulary
-   was (`vocabulary.learned_from_private_data` without a DP event) carrying them fails.
-
-Missing metadata is a failure, named by file. Audited figures (empirical lower bounds,
-`dpbert.release.audited`) are not guarantees: their lower bounds are not recomputed, but each must
-state its scope's release epsilon and delta and add up to its stated composition with the audit
-run's own guarantee (`dpbert.release.metadata.AuditedFigure`). What `verify` cannot prove: that
-the weights were really produced by this recipe on this data with secret noise, or that the declared
-numbers (N, the bound on stored units, the per-document cap, a declared-public tokenizer) are true of
-the data. It checks that the published claims are consistent, not how training ran
-(docs/THREAT_MODEL.md).
+What `verify` cannot prove: that the weights were really produced by this recipe on this data with
+secret noise, or that the declared numbers (N, the bound on stored units, the per-document cap, a
+declared-public tokenizer) are true of the data (docs/THREAT_MODEL.md). The nine checks in full:
+model_cards/README.md ("What `dpbert verify` checks") and docs/INTERNALS.md.
 """
 
 from __future__ import annotations

@@ -1,38 +1,14 @@
 """Ahead-of-time compile of a recipe's pretraining step at full shape, and a throughput model.
 
-`compile_step(recipe, mesh)` compiles exactly the step the trainer runs: it builds it with the
-trainer's own builder (`dpbert.train.pretrain.build_setup`, `Setup.stage_step`:
-the masked-LM loss with the recipe's `train.clipping` (ghost clipping by default), the DP
-core's step, the recipe's optimizer, the mesh's shardings) at the trainer's compiled batch
-(`ledger_physical_batch_sizes` padded by `device_batch_size`), and lowers and compiles it
-from abstract arrays only: the model and the optimizer state exist only as `jax.eval_shape`
-results and the batch as `jax.ShapeDtypeStruct`s with their shardings, so no weight is ever
-materialized and a pod-size step compiles on a laptop with fake devices
-(`XLA_FLAGS=--xla_force_host_platform_device_count=8`). Token ids the masking needs (mask,
-padding, specials) are placeholders: they change no shape. The stage's noise multiplier is a
-placeholder too (its value changes no shape or FLOP count), so no calibration runs.
+`compile_step(recipe, mesh)` compiles exactly the step the trainer runs (`dpbert.train.pretrain.
+build_setup`, `Setup.stage_step`) at the trainer's compiled batch, from abstract arrays only: no
+weight is materialized, so a pod-size step compiles on a laptop with fake devices. It reports
+XLA's memory analysis and FLOP counts (per micro-batch and once per step, the layer scan counted
+from 1- and 2-layer unrolled compiles).
 
-What it measures (all from XLA, per device):
-- memory: `compiled.memory_analysis()` of the full-shape step (arguments, outputs,
-  temporaries) at the chosen stage's physical batch, micro-batches scanned on each device;
-- FLOPs: XLA's cost analysis (per device) counts a loop body once, whatever its trip count
-  (checked here on jax 0.10: a step with 1 and with 8 micro-batches per device report the
-  same FLOPs), so the step's count is one micro-batch plus what runs once per step; what
-  runs once per step (the optimizer update, and the noise draw of a DP step: one Gaussian
-  per parameter, whose unrolled Threefry rounds XLA counts in full) is compiled alone to
-  separate the two. The encoder's layers are a loop too (one scanned layer body): the count
-  per micro-batch comes from the same step with 1 and 2 encoder layers, unrolled
-  (`dpbert.model.bert.unrolled_layers`), at one micro-batch per device, extrapolated
-  linearly to the model's depth (exact: the layers are identical); these two small compiles
-  are not in `compile_seconds`. FLOPs per example = (step - once per step) / microbatch_size; FLOPs per
-  step = physical batch x FLOPs per example + devices x once per step
-  (`update_flops_per_device`). Padding rows cost as much as real ones and are counted.
-  Collectives are not FLOPs. `analytic_flops_per_example` is an independent check.
-
-The throughput model is an ESTIMATE, never a measurement: time per step = FLOPs per step /
-(target devices x peak FLOP/s per device x assumed MFU), with the recipe's `target`
-section (or flags) stating the peak and the MFU. The whole-schedule time sums every stage
-at its own physical batch on the target's device count.
+The throughput model is an ESTIMATE, never a measurement: FLOPs per step / (devices x peak FLOP/s
+x assumed MFU), from the recipe's `target` section or flags. How FLOPs are separated and counted:
+docs/INTERNALS.md ("dpbert.train.compile").
 """
 
 from __future__ import annotations

@@ -1,36 +1,13 @@
 """The DP training engine: one loop for every task that trains with DP-SGD (or its non-private twin).
 
-A task (pretraining, fine-tuning) hands the engine
-- `make_step(stage_index)`: the jitted step of one stage, built by the task with
-  `dpbert.privacy.dp_step.make_dp_train_step` (or `make_train_step` without DP);
-- a plan (`dpbert.config.plan.Plan`: stages with expected batch sizes and noise multipliers,
-  the physical batch of each stage, the ledger after any number of steps), one key per stage
-  (from the run's secret: `run_secret` here, `dpbert.privacy.randomness.mechanism_key`), and
-  `sample(stage_index, t) -> Sample`, the Poisson sample of step t as global arrays;
-- hooks: `Hook`s called after every k-th step (evaluation), the metrics log
-  (`dpbert.train.metrics.MetricsLog`) and a `Checkpointing` (Orbax, `dpbert.train.checkpoint`).
-Export is the task's, after `run_loop` returns.
+A task hands `run_loop` its step builder, its Poisson sampler, its plan and one secret-derived key
+per stage, hooks (evaluation) and a checkpoint store; export is the task's.
 
-The engine owns, for every task:
-- resume with exact replay: `restore_or_init` restores the newest checkpoint that restores into
-  the state's shardings, refuses one whose ledger differs from the plan's for the steps taken, and
-  drops metrics records past it; the loop then takes step t with `step_key(stage_key, t)` and the
-  task's `sample(stage, t)`, so the resumed run takes exactly the uninterrupted run's steps and
-  the ledger in the state counts each completed step once;
-- a damaged checkpoint costs a step range, not the run: one whose files cannot be read
-  (`DamagedCheckpointError`) is logged by step and folder, the one before it is tried, and once
-  one restores the damaged ones are moved aside (`<step>.damaged`) so that the run saves those
-  steps anew; the steps after the restored one are replayed exactly (same secret, same keys),
-  which spends no privacy twice. When none restores, `NoRestorableCheckpointError` names the
-  folder and asks for a fresh run folder;
-- SIGTERM: the current step finishes, a checkpoint is written, `run_loop` returns `stopped`;
-- one host sync per log, evaluation or checkpoint step, not per step: the losses of the steps
-  since the last sync are read back then, and a non-finite one raises `NonFiniteLossError` naming
-  its step (before anything is checkpointed); the state's ledger is set at the same points, and
-  `examples_per_s`/`step_time_s` are averages over the steps since the previous log;
-- train records with the clipping statistics of the step (`nonprivate_diagnostics`: loss,
-  clipped fraction, non-finite examples: computed on the private batch, NOT covered by the
-  guarantee, labelled so) and epsilon spent.
+Guarantees: resume replays the uninterrupted run exactly (step t uses `step_key(stage_key, t)`), so
+nothing is spent twice; a damaged checkpoint costs a step range, not the run; SIGTERM checkpoints
+and stops at a step boundary; the device is synced only at log, evaluation and checkpoint steps,
+where a non-finite loss stops the run before anything is saved; training diagnostics are
+labelled non-private. The details of each: docs/INTERNALS.md ("dpbert.train.engine").
 """
 
 from __future__ import annotations

@@ -1,66 +1,14 @@
 """GLUE fine-tuning of a BERT checkpoint, non-private or with DP-SGD on the task data.
 
-`finetune(task=..., model=..., output_dir=..., data=..., config=...)` runs one task and writes
+`finetune(task=..., model=..., output_dir=..., data=..., config=...)` runs one task on the
+training engine (`dpbert.train.engine`: exact replay on resume, SIGTERM, checkpoints) and writes
+metrics, evaluation and train records, the task-data ledger and the fine-tuned release;
+`finetune_glue` runs every task under a GLUE root.
 
-- `OUT/metrics.json`: the task's metrics on each dev set (both MNLI dev sets), the number of
-  training examples n, what was trained (subset and parameter count) and, for DP runs, the
-  task guarantee: epsilon, delta (and the rule that chose it), noise multiplier, clip norm,
-  expected batch size, steps, accountant; plus `release`, the guarantees the model folder states;
-- `OUT/evals.jsonl`: one JSON line per evaluation (after every epoch and at the end);
-- `OUT/train.jsonl`: the training engine's train records (`dpbert.train.engine`: epsilon spent,
-  batch sizes, and the clipping statistics labelled non-private diagnostics);
-- `OUT/checkpoints/`: `run-<i>/` Orbax checkpoints of each run (a sweep has several) and, for DP
-  runs, the noise secret (0600; never published); `OUT/randomness.json` says where it came from;
-- `OUT/privacy.json` (DP runs): the task-data ledger, from which anyone recomputes epsilon;
-- `OUT/model/`: a dpbert release (`dpbert.release.write_release`) of the fine-tuned
-  `BertForSequenceClassification` (Hugging Face names, loadable by transformers'
-  `AutoModelForSequenceClassification` with the task's `id2label`), its tokenizer, and
-  `privacy.json` + model card (`model_cards/bert_glue.md.j2`, `pipeline_tag: text-classification`,
-  `model-index` with the dev metrics) that `dpbert verify OUT/model` checks.
-
-Guarantees of the fine-tuned model, each for its own data, never composed:
-- the source checkpoint's own guarantees (normally "pretraining"), copied from its `privacy.json`
-  after `resolve_pretrained` has verified them. A checkpoint without dpbert privacy metadata (a
-  plain Hugging Face folder) gets a "pretraining" guarantee marked NOT private (epsilon infinity):
-  nothing is known about its pretraining data, so nothing is claimed;
-- "fine-tuning (TASK)" for the task's training set: the task ledger of a DP run, or epsilon
-  infinity for non-private fine-tuning.
-The release is private only if every guarantee is.
-
-Training runs on the engine of pretraining (`dpbert.train.engine`): mesh, checkpoints, resume
-with exact replay (`resume=True`, `dpbert finetune --resume`), SIGTERM checkpoint, non-finite
-loss stop, clipping statistics.
-
-Training. Non-private: AdamW with linear warm-up then linear decay to 0, shuffled epochs of
-`batch_size` (the usual BERT fine-tuning recipe: lr 2e-5, batch 32, 3 epochs, 10 % warm-up,
-weight decay 0.01, max_seq_len 128). DP: the DP core (`dpbert.privacy`) with Poisson sampling
-of the task's training set at rate q = B/n, per-example clipping to `clip_norm`, Gaussian noise
-with the noise multiplier calibrated so the whole run spends exactly the requested
-(epsilon, delta); delta defaults to 1/n^1.1. Per-example clipping of the trained parameters by
-`clipping`: "ghost" through the model's taps (`dpbert.model.ghost`: exact, no per-example gradient;
-taps on the trained parameters only, LoRA factors included), "vmap" per-example gradients, or
-"auto" (`classifier.auto_clipping`: ghost for `all`, vmap for the subsets, by measurement); the
-same clipped sum either way. The ledger of the task data is separate from the pretraining ledger:
-the two guarantees cover different data sets and are reported side by side, never composed.
-
-Trained subset (`trainable`). `all`: every parameter. `bias`: DP-BiTFiT-style, every bias term
-(attention, feed-forward, LayerNorm and pooler biases; not the LayerNorm scales) plus the
-classification head. `lora`: LoRA factors (`dpbert.model.lora`; rank, alpha and target
-sub-layers in the `lora` section) plus the head; the factors are merged into the exported
-weights. `head`: the head alone. The head is the classifier and the pooler (`train_pooler: false`
-freezes a pretrained pooler's kernel; per-step DP noise has norm sigma*C*sqrt(d)/B for d
-trained parameters, but a frozen all-MiniLM-L6-v2 pooler left DP runs at the majority class),
-and it takes `head_lr_multiplier` times larger steps. The DP default trains `bias`; its batch size,
-epochs, clip norm and learning rate are derived from n and epsilon when the recipe leaves them
-at null (`dpbert.config.finetune_defaults`), and printed with their reasons. The non-private default
-trains `all`. Weight decay follows the training engine's one rule (`dpbert.train.engine`):
-decoupled, on every trained parameter.
-
-Sweep (`sweep.enabled`, `dpbert finetune --dp --sweep`): one DP run per learning-rate factor,
-the best kept by its dev metric. Choosing the best of k runs spends the privacy of all k
-(Papernot and Steinke 2022), so the task ledger composes all k runs (one stage per run, one
-noise multiplier calibrated so that the composition meets epsilon): the released model's
-guarantee covers the selection. The dev set itself is not protected (its metrics are published).
+Guarantees: with DP every stored example is Poisson-sampled at q = B/N with a public N (declared or
+rounded), clipped and noised by `dpbert.privacy.dp_step`; delta follows the config's rule (1/N^1.1
+by default); the release states the task guarantee beside the pretrained source's. The output
+folder layout and every record: docs/INTERNALS.md ("dpbert.train.finetune").
 """
 
 from __future__ import annotations

@@ -1,55 +1,14 @@
 """`dpbert pretrain`: masked-LM pretraining of BERT with DP-SGD (or without, for baselines).
 
-The pretraining task on the training engine (`dpbert.train.engine`, which owns the loop,
-checkpoints, resume and SIGTERM): run folder, data (`open_data`: the Poisson sample of each step is
-`sample_batch`), the step (`build_setup`: model, optimizer, masking, keys, loss, and each stage's
-DP step from `dpbert.privacy.dp_step`), the masked-LM loss and held-out scoring (`dpbert.train.mlm`),
-the privacy plan (`dpbert.config.plan`), the loop, the end of run (`dpbert.train.pretrain_report`).
-`pretrain(...)` is the library entry point; the CLI only parses flags and calls it.
+Reading order: `pretrain` opens the data (`open_data`; each step's Poisson sample is
+`sample_batch`), builds the step once (`build_setup`: model, optimizer, masking, keys, loss, and
+each stage's DP step from `dpbert.privacy.dp_step`), runs the engine's loop (`_train`,
+`dpbert.train.engine.run_loop`) and writes the Hugging Face folder and the release.
 
-Run folder (RUN_DIR): `recipe.yaml` (resolved recipe), `store/` (token store, unless the
-recipe names one), `checkpoints/` (Orbax), `metrics.jsonl`, `privacy.json` (the ledger of
-the steps taken so far; private runs only), `randomness.json` (where the secret came from;
-private runs only), `hf/` (final Hugging Face folder with the tokenizer, and `privacy.json`
-for private runs), `release/` (the export with privacy metadata and model card), `curves.png`.
-
-Guarantees:
-- a private run's randomness is secret: a 256-bit secret from the OS CSPRNG (or an auditor's
-  `noise_seed_file`) is kept in `checkpoints/noise_secret` (0600) and nowhere else; stage i's
-  key is `mechanism_key(secret, f"{mechanism}/stage/{i}")` and the masking key
-  `mechanism_key(secret, f"{mechanism}/masking")`, so two runs of one recipe release different
-  weights and nothing published regenerates the noise (`randomness.json` says only where the
-  secret came from). The recipe's seed drives the initialisation, and every key of a
-  non-private run;
-- all randomness of step t (Poisson sample, masking, dropout, noise) derives from
-  `fold_in(stage_key, t)` (masking from `dpbert.data.masking.example_mask_key(masking_key, t,
-  store index)`); a resumed run therefore replays exactly the steps an uninterrupted run
-  takes, and the ledger counts each completed step once;
-- the dataset size N of q = B/N is public (`privacy.dataset_size`, or the store's count
-  rounded down to 2 significant digits) and every stored unit is sampled at q, so that adding
-  or removing one changes no other unit's inclusion; a store above the public bound
-  (`privacy.dataset_size_bound`, default 1.25 N) is refused;
-- a run, or a resume, whose full schedule would spend more than `privacy.target_epsilon`
-  is refused before any step (`PrivacyLedger.check_budget`); on resume the recipe must
-  agree with the checkpoint's ledger on every step already taken;
-- SIGTERM finishes the current step, writes a checkpoint and returns cleanly (exit 0);
-- a non-finite training loss stops the run with an error naming the step;
-- the non-private mode runs the same loop (same sampling, masking and dropout) with the DP
-  core's non-private step: no clipping, no noise, and the gradient is the mean over the
-  realized batch (ordinary training; there is no privacy to protect). Its ledger in the
-  checkpoint says non-private and no privacy.json is written.
-
-Devices and hosts: the step runs on the recipe's `data` x `fsdp` mesh over every device of
-every process (one device is the trivial mesh, same code). Parameters and optimizer state
-are created sharded (`jax.jit(..., out_shardings=...)` from `jax.eval_shape`; no full copy
-on one device) or restored by Orbax straight into those shardings. Each stage's compiled
-batch is its ledger's physical batch padded up to a multiple of devices x micro-batch; the
-padding rows are never sampled, so the sample, the ledger (which records the truncation
-size) and the update are the same on any number of devices and processes (float
-tolerance). Each process reads only its share of a step's rows (`distributed.local_batch`);
-only process 0 writes metrics.jsonl, privacy.json, recipe.yaml, hf/, release/ and prints;
-every process takes part in the Orbax checkpoint. With several processes, start
-`jax.distributed` first (`dpbert pretrain --coordinator-address ...` or `--distributed`).
+Guarantees: the privacy plan is fixed before anything is written (`dpbert.config.plan.plan_recipe`);
+the DP mechanism's keys come from a secret in the checkpoint folder only; a resumed run replays the
+uninterrupted run's steps exactly; held-out figures of the private corpus stay in the run folder.
+The run folder's layout: docs/INTERNALS.md ("dpbert.train.pretrain").
 """
 
 from __future__ import annotations
