@@ -1,36 +1,14 @@
-"""BERT tokenizers: load from a folder, train a WordPiece vocabulary, fingerprint a vocabulary.
+"""BERT tokenizers: load from a folder, train a WordPiece vocabulary (plain or under DP), fingerprint
+one, and resolve a recipe's vocabulary with its origin.
 
-Guarantees:
-- Every tokenizer here is a transformers BERT tokenizer backed by ``tokenizers`` and loaded from a
-  folder with ``AutoTokenizer.from_pretrained``. (In transformers 5, ``BertTokenizerFast(vocab_file=...)``
-  silently ignores the file and builds an empty vocabulary; nothing here constructs one that way.)
-- ``train_wordpiece`` writes a folder (tokenizer.json, tokenizer_config.json, vocab.txt) in which
-  the special tokens have fixed ids ``[PAD]=0 [UNK]=1 [CLS]=2 [SEP]=3 [MASK]=4``; encodings are
-  ``[CLS] a [SEP]`` and ``[CLS] a [SEP] b [SEP]`` with token types 0/1, as BERT's.
-- ``tokenizer_fingerprint`` depends only on the (token, id) vocabulary, not on file paths.
-- ``public_vocab()`` is bert-base-uncased's vocabulary (Google's BERT release, Apache-2.0), shipped
-  inside dpbert as package data and checked against its md5: installing dpbert is enough.
-  ``public_vocab_dir()`` is its tokenizer folder, with bert-base-uncased's own ids ([PAD]=0,
-  [UNK]=100, [CLS]=101, [SEP]=102, [MASK]=103), normalizer and templates.
-- ``public_vocab_subset_dir(size)`` is a smaller PUBLIC vocabulary: the first ``size`` entries of
-  bert-base-uncased's own list (special tokens, every single character and ``##`` character, then
-  whole words and pieces in the order BERT's WordPiece learned them from its public training text,
-  i.e. by frequency there). It depends on nothing but that public file (never on a corpus being
-  trained on), so it is covered by the DP guarantee like the full vocabulary; text the full vocabulary
-  tokenizes without [UNK] stays [UNK]-free (longer words just split into more pieces).
-- ``train_dp_wordpiece`` learns a WordPiece from the words that pass Gaussian partition selection
-  (`dpbert.privacy.vocabulary`) over the units' bounded word counts, with their noisy counts as
-  frequencies: the folder depends on the private text only through that DP release (and on public
-  constants: BERT's normalizer and pre-tokenizer, the printable ASCII alphabet), so it is covered by
-  the guarantee its `VocabularyEvent` states. Its marker file records that origin.
-- A vocabulary's origin is never assumed (`vocabulary_origin`, `resolve_tokenizer`): a packaged
-  vocabulary (recognised by its content) is public; a folder gets the origin dpbert recorded in it
-  (its marker, or the privacy.json of a dpbert release or hf/ folder): declared, DP or `train`; any
-  other folder is public only when the recipe declares it (`data.tokenizer_declared_public: true`) and
-  is refused otherwise. A private run refuses a vocabulary learned from a corpus (`tokenizer: train`,
-  or another run's DP vocabulary, whose epsilon dpbert does not compose into this run's ledger). The
-  origin's words hold no machine path: a packaged name, or a folder's name and the sha256 of its
-  vocabulary files (`tokenizer_file_hashes`).
+Guarantees: every tokenizer is a transformers BERT tokenizer backed by `tokenizers`, loaded with
+`AutoTokenizer.from_pretrained`; `tokenizer_fingerprint` depends only on the (token, id)
+vocabulary; the packaged vocabularies (`public_vocab_dir`, `public_vocab_subset_dir`) are
+bert-base-uncased's own, public and checked by md5; `train_dp_wordpiece` depends on the private
+text only through a DP release whose event enters the ledger. A vocabulary's origin is never
+assumed (`resolve_tokenizer`): packaged is public, a folder gets the origin dpbert recorded, any
+other folder is refused unless the recipe declares it public; the origin holds no machine path.
+Details: docs/INTERNALS.md ("dpbert.data.tokenizer").
 """
 
 from __future__ import annotations

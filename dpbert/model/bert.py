@@ -1,35 +1,14 @@
-"""Flax NNX BERT built from a transformers ``BertConfig`` (tiny through BERT-Large).
+"""Flax NNX BERT built from a transformers `BertConfig` (tiny through BERT-Large).
 
-The modules mirror the Hugging Face PyTorch BERT: attribute paths are the Hugging Face
-parameter names (``bert.encoder.layer.attention.self.query``, ``cls.predictions.bias``,
-``classifier``; encoder layers stacked, see below), so ``dpbert.model.hf_io`` maps weights with
-a handful of leaf renames (``kernel``/``embedding``/``scale`` <-> ``weight``; Linear kernels are
-transposed) and the layer index.
+Attribute paths are the Hugging Face parameter names, so `dpbert.model.hf_io` maps weights with a
+handful of leaf renames; the encoder holds one layer whose parameters are stacked along a leading
+layer axis and runs under `jax.lax.scan` (compile time does not grow with depth).
 
-Guarantees:
-- In inference mode (``dropout_rng=None``) the float32 outputs equal transformers' eval-mode
-  outputs to float32 rounding (tested to 1e-4), padded positions included.
-- Dropout is a pure function of the ``dropout_rng`` passed at call time: the same key gives
-  the same output, and every dropout site draws from ``fold_in`` of that key with a fixed
-  site number, so nothing depends on call order or hidden RNG state.
-- ``dtype`` is the compute dtype; parameters are always stored in float32. Softmax and
-  LayerNorm statistics run in float32 whatever the compute dtype; outputs (hidden states,
-  logits) come back in the compute dtype.
-- Scanned layers: the encoder holds ONE ``BertLayer`` whose parameters are stacked along a
-  leading layer axis (``bert.encoder.layer.attention.self.query.kernel`` is [L, H, H]) and
-  runs it under ``jax.lax.scan`` (``scan_layers``), as MaxText's ``scan_layers`` does: the layer
-  body is traced and compiled once, so compile time does not grow with depth. The stacked
-  parameters hold exactly the values the per-layer modules were initialised with (same
-  ``rngs`` draws, layer by layer), ``dpbert.model.hf_io`` maps them to and from the per-layer
-  Hugging Face names (``bert.encoder.layer.3.attention.self.query.weight``), and
-  ``unstack_layers`` / ``stack_layers`` convert a params tree between the two layouts.
-- ``remat=True`` (``BertModel``, ``BertForMaskedLM``) wraps the scanned layer body in
-  ``jax.checkpoint``: identical outputs and gradients, activation memory traded for a second
-  forward pass of each layer in the backward pass. The ghost-clipping forward
-  (``dpbert.model.ghost``) scans the same layer body with taps and ignores it.
-- The masked-LM decoder is tied to ``bert.embeddings.word_embeddings`` (one parameter, one
-  gradient) plus its own ``cls.predictions.bias``, as in BERT; a config with
-  ``tie_word_embeddings=False`` gets an untied ``cls.predictions.decoder`` instead.
+Guarantees: in inference mode the float32 outputs equal transformers' eval-mode outputs to float32
+rounding (tested to 1e-4); dropout is a pure function of the key passed at call time; parameters
+are stored in float32 whatever the compute dtype, softmax and LayerNorm statistics run in
+float32; `remat=True` changes memory, never outputs or gradients; the masked-LM decoder is tied to
+the word embeddings as in BERT. Details: docs/INTERNALS.md ("dpbert.model.bert").
 """
 
 from __future__ import annotations

@@ -1,35 +1,13 @@
 """Pure functional view of the dpbert BERT models, for the DP core and the trainers.
 
-API (all functions are pure: jit-, grad- and vmap-friendly)::
+`split_params`/`merge` move between a module and (graphdef, params); `mlm_logits`,
+`classifier_logits` and `hidden_states` are pure (jit-, grad- and vmap-friendly) and take one
+example or a batch; `unstack_layers`/`stack_layers` convert between the scanned (stacked) and the
+per-layer params layouts exactly.
 
-    graphdef, params = split_params(model)   # params: nnx.State pytree whose leaves are nnx.Param (float32)
-    model = merge(graphdef, params)          # a new module sharing nothing mutable with the old one
-
-    mlm_logits(graphdef, params, input_ids, attention_mask=None, token_type_ids=None,
-               dropout_rng=None, *, masked_positions=None)      -> [B, L, V]  ([B, P, V] at masked_positions)
-    classifier_logits(graphdef, params, input_ids, attention_mask=None, token_type_ids=None,
-                      dropout_rng=None)                          -> [B, num_labels]
-    hidden_states(graphdef, params, input_ids, attention_mask=None, token_type_ids=None,
-                  dropout_rng=None)                              -> [B, L, H] (last encoder layer)
-
-``input_ids`` / ``attention_mask`` / ``token_type_ids`` are int arrays [B, L], or [L] for one
-example, in which case the output has no batch axis either. That is the per-example form the
-DP core vmaps, with params unbatched and one dropout key per example::
-
-    per_example = jax.vmap(
-        lambda ids, mask, types, key: mlm_logits(graphdef, params, ids, mask, types, key),
-    )
-
-Encoder layers are stacked (one scanned layer body, see ``dpbert.model.bert``): the params
-tree has ``bert/encoder/layer/<sub-layer>/<leaf>`` with a leading layer axis.
-``unstack_layers(params)`` gives the per-layer layout of earlier dpbert versions
-(``bert/encoder/layer/<i>/...``) and ``stack_layers`` the stacked one back, exactly (e.g. to
-read checkpoints written before the scan).
-
-``dropout_rng=None`` runs in inference mode; with a key, every dropout site draws from
-``fold_in`` of it (see ``dpbert.model.bert``), so the same key reproduces the same output.
-``graphdef`` is hashable static structure and a pytree without leaves: close over it, bind it
-with ``functools.partial``, or pass it straight through ``jax.jit``.
+Guarantees: `dropout_rng=None` is inference mode; with a key every dropout site draws from a
+`fold_in` of it, so the same key reproduces the same output. The API with shapes and the
+per-example vmap form: docs/INTERNALS.md ("dpbert.model.functional").
 """
 
 from __future__ import annotations

@@ -1,35 +1,12 @@
 """A second opinion from jax-privacy (the optional extra `crosscheck`): its accountant recomputes a
 ledger's epsilon, and its canary auditor scores an audit's canaries.
 
-jax-privacy (Google DeepMind, `pip install 'dpbert[crosscheck]'`) has its own mapping from a DP-SGD
-training schedule to privacy events (`jax_privacy.accounting.DpsgdTrainingAccountant`, over
-`dp_accounting`) and its own empirical auditor (`jax_privacy.auditing.CanaryScoreAuditor`). dpbert
-never needs it; `tests/test_crosscheck.py` compares the two where it is installed, and `dpbert audit`
-reports its figures next to dpbert's.
-
-`jax_privacy_epsilon(ledger)`: the ledger's stages become jax-privacy's `DpParams` (noise multiplier
-and expected batch size from each stage's first step, N, delta, Poisson sampling) and its
-`DpsgdTrainingAccountant` computes epsilon with the ledger's accountant: PLD at dpbert's value
-discretization, or RDP at `dp_accounting`'s default orders (the ones dpbert's RDP accountant takes the
-minimum over), so that a difference points at the mapping of the schedule, not at a grid.
-The batch sizes are given to `DpParams` as Python integers (its documented `batch_sizes` pairs)
-rather than through `batch_size_scale_schedule`: jax-privacy 2.0 evaluates that schedule with optax in
-float32 jax arrays, and `dp_accounting` then computes the PLD of a float32-array sampling rate in
-float32 (on the BERT-Large recipe a far larger epsilon: docs/RESULTS.md, "Design measurements"). Truncation to a physical batch size is not passed: dpbert accounts for it in delta
-(`PrivacyLedger.truncation_delta`), not in epsilon.
-
-`jax_privacy_user_level_epsilon(ledger, group_size=None)`: jax-privacy's user-level DP-SGD accountant
-(`DpsgdTrainingUserLevelAccountant`, PLD only: a mixture of Gaussians whose sensitivity j ~
-Binomial(examples_per_user, q) counts the user's sampled examples). For a document-level ledger (one
-document sampled as a unit, its summed gradient clipped to C: user-level sampling with user-level
-clipping) a document is one unit of the Poisson sample, so `examples_per_user` = 1 and `num_samples` = N
-documents; for a sequence-level ledger and `group_size` k it is the epsilon of a group of k sequences
-(`examples_per_user` = k), which `dpbert.privacy.accounting.group_epsilon` computes on its own.
-
-`jax_privacy_audit_figures(scores, included, ...)`: the auditor's AUROC, maximum TPR at low FPRs, its
-one-run epsilon lower bound (Steinke, Nasr, Jagielski 2023, one-sided guesses, Bonferroni over its
-thresholds) and its f-DP one-run bound (Mahloujifar, Melis, Chaudhuri 2024, which tests the Gaussian
-trade-off curve of each (epsilon, delta)). All are empirical figures, never guarantees.
+`jax_privacy_epsilon(ledger)` maps a ledger's stages to jax-privacy's `DpParams` and
+`DpsgdTrainingAccountant`; `jax_privacy_user_level_epsilon` uses its user-level accountant for a
+document-level ledger or a group of sequences; `jax_privacy_audit_figures` gives its AUROC, TPR at
+low FPR and one-run bounds. dpbert never needs it: tests compare the two where it is installed,
+and every figure of the auditor is empirical, never a guarantee. How the schedules are mapped
+(and why batch sizes are passed as integers): docs/INTERNALS.md ("dpbert.privacy.crosscheck").
 """
 
 from __future__ import annotations

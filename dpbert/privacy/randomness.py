@@ -1,35 +1,12 @@
 """Keys of a DP mechanism: a secret root, one key per purpose, and fold_in(run_key, t) per step.
 
-Root secret: the randomness of every DP mechanism (Poisson sampling, noise, and with them
-masking and dropout) derives from a `RunSecret` of 256 bits drawn from the operating system's
-CSPRNG (`secrets.token_bytes`) when a run starts. It is written only to the run's checkpoint
-folder (`write_secret`, mode 0600) so that a resumed run replays exactly, and never to a
-release, card, metric or log: whoever can regenerate the noise can subtract it. The recipe's
-public seed drives only what is harmless to publish (initialisation; all randomness of
-non-private runs). An auditor may supply the secret (`read_secret_file`, `--noise-seed-file`);
-the release then says so (`RunSecret.source`).
-
-Domain separation: `mechanism_key(secret, purpose)` is HMAC-SHA256(secret, "dpbert/v1/" +
-purpose) truncated to a 64-bit Threefry-2x32 key, so pretraining stages, each fine-tuning,
-each audit and the audit's canary draw never share a key or a noise draw, even when one
-secret serves them all. 64 bits, not more: an attacker would have to search 2^64 keys, each
-tested by a full noise draw of the model's size; a 128-bit Threefry-4x32 chain for masking and
-dropout made XLA's compile of the masking far slower (docs/RESULTS.md, "Design measurements").
-
-The step key is split by `fold_in` with fixed constants into a sampling key (which examples
-join the batch), a document-sequences key (with `privacy.unit: document`, which sequences of
-each sampled document are taken), an example key (per-example masking and dropout: example i of the physical
-batch gets fold_in(example_key, i)) and a noise key (the Gaussian noise on the summed
-gradient).
-
-Guarantees: the keys of step t depend only on (run_key, t), so a resumed run replays step t
-exactly and spends nothing twice; per-example keys depend on the example's global position
-only, so results do not change with micro-batch size or device count.
-
-The noise key alone uses Random123's Threefry-4x32-20, keyed by 128 bits drawn from the step
-key: the same counter-based, partitionable cipher family as JAX's default Threefry-2x32 (a draw
-does not depend on how the array is sharded). XLA unrolls its rounds, which on CPU draws
-Gaussians faster (docs/RESULTS.md, "Design measurements").
+Guarantees (rule 4 of `dpbert.privacy`): every DP mechanism's randomness derives from a 256-bit
+`RunSecret` from the OS CSPRNG, written only to the run's checkpoint folder (mode 0600), never to a
+release, card, metric or log; an auditor may supply it (`--noise-seed-file`) and the release then
+says so. `mechanism_key(secret, purpose)` separates domains (HMAC-SHA256), so no two mechanisms
+share a key. The keys of step t depend only on (run key, t): a resumed run replays step t
+exactly; per-example keys depend on the example's global position only, so results do not change
+with micro-batch size or device count. The key layout and the ciphers: docs/INTERNALS.md.
 """
 
 from __future__ import annotations

@@ -1,33 +1,14 @@
-"""Poisson sampling of example indices, padded to a fixed physical batch.
+"""Poisson sampling of example indices (or documents), padded to a fixed physical batch.
 
-Each of the S stored examples joins step t's batch independently with probability q = B/N, N the
-public dataset size (declared, or the count rounded down): every stored unit is sampled, so adding
-or removing one changes no other unit's inclusion (sampling "the first N rows" would make a
-neighbour a replacement). We draw the realized size k ~ Binomial(S, q) and then k distinct indices
-uniformly at random: the two together are exactly Poisson sampling (given its size, a Poisson
-sample is a uniform subset). The distinct indices come from rounds of uniform draws with
-duplicates removed, in O(k) memory and O(k log k) time, never O(S): S = 5e8, B = 2,097,152
-samples in a fraction of a second.
-
-Static shapes: the batch is padded to `physical_batch_size` with `is_padding = True` rows whose
-index is 0 (load any row; the clipped sum ignores it). If k exceeds the physical size, a
-uniformly random subset of that size is kept (truncation). `physical_batch_size()` picks a
-size whose per-step overflow probability is below a bound for any store of at most the public
-bound M >= S units, and the accountant adds the truncation term to delta
-(`accounting.PrivacyLedger.truncation_delta`).
-
-Guarantees: the sample of step t is a pure function of (key, t, N, B, physical size): replays
-and every host agree. Process p of P gets the contiguous slice p of the physical batch (whose
-size must be divisible by P); the union over processes is the global batch.
-
-Document-level DP (`document_sample`): the units of the Poisson sample are documents, given
-by `document_offsets` (document d holds sequences offsets[d] .. offsets[d+1]-1; every stored
-document is sampled at q = B/N, N the public number of documents). Each sampled document then contributes at most
-`max_sequences_per_document` of its sequences, a uniformly random subset when it has more,
-drawn from the step key's DOCUMENT_SEQUENCES stream (secret, like the sample itself). The
-batch is [physical documents, max_sequences_per_document] sequence indices with a sequence
-padding mask; a document's rows are clipped together (`dpbert.privacy.documents`), so the
-accountant's unit is the document and its sampling rate is B / N documents.
+Guarantees (rule 3 of `dpbert.privacy`): each of the S stored units joins step t's batch
+independently with probability q = B/N, N the public dataset size, so adding or removing one
+unit changes no other unit's inclusion; the realized size is Binomial(S, q) and the indices a
+uniform subset of that size (exactly Poisson sampling), in O(k) memory. Batches are padded to
+the static physical size with `is_padding`; a sample above it is truncated to a uniform subset,
+and `physical_batch_size` keeps that below a bound for any store of at most the public bound M,
+the accountant adding it to delta. The sample of step t is a pure function of (key, t, N, B,
+physical size); process p gets slice p of the global batch. `document_sample` does the same for
+documents, each contributing at most its declared number of sequences. Details: docs/INTERNALS.md.
 """
 
 from __future__ import annotations
