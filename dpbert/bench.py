@@ -1,35 +1,13 @@
 """Throughput and memory of a DP-SGD step of BERT, next to the non-private step and the peers.
 
-`run_bench(model="tiny", ...)` times, on one BERT masked-LM configuration at sequence length
-128 (20 decoded positions per example) and a batch of `DEFAULT_BATCH[model]` unless given:
-- dpbert non-private steps (`make_train_step`: the plain gradient of the mean loss, in one
-  batched pass and accumulated over micro-batches of the DP size); the best of the two is the
-  denominator of the DP / non-private ratio;
-- dpbert DP step with each clipping path ("vmap": per-example gradients; "ghost": ghost norms
-  and book-keeping), micro-batches of `microbatch` (or, with "auto", each row's fastest size,
-  timed on placeholder inputs by `dpbert.privacy.tuning.fastest_microbatch_size`);
-- PyTorch non-private step of transformers' `BertForMaskedLM` with the same config, in float32
-  and with bfloat16 autocast, and Opacus DP steps (grad_sample_mode "hooks" and "ghost"; ghost
-  refuses the tied decoder: "Parameter tying is not supported") on it. Where PyTorch sees a
-  CUDA device the peers run there (TF32 matmuls allowed), each row in its own process started
-  before this process's JAX touches the GPU (JAX preallocates most of its memory), timed there
-  the same way; otherwise on the CPU in this process, with `torch.set_num_threads` equal to
-  the CPU count XLA's CPU backend uses. Every row names the device it ran on; each peer that is
-  missing or fails says why;
-- the noise draw of one DP step alone (one Gaussian per parameter: a fixed cost per step,
-  which larger batches amortize), reported in ms and as a fraction of the DP step.
+`run_bench(model="tiny", ...)` times, on one BERT masked-LM configuration, dpbert's non-private
+steps, its DP step with each clipping path (vmap, ghost), the PyTorch step of transformers'
+`BertForMaskedLM` and Opacus' DP steps, and the noise draw alone, and reports examples per second,
+ratios within one run, peak memory from XLA's memory analysis of the DP step, and compile seconds.
 
-Units: examples per second (best of `steps` timed steps after one warm-up; on a CPU all rows,
-the PyTorch and Opacus ones included, take turns step by step, so a change of machine load hits
-all of them alike), ratios of those
-within one run, and peak memory from XLA's compiled memory analysis of the DP step
-(parameters, optimizer state, outputs and temporaries; the input batch arrays themselves are
-excluded, since they grow with any batch by construction). Models: tiny = 2 layers x 128,
-mini = 4 x 256, base = 12 x 768; vocabulary 8192 for all three (base too, so that the
-comparison isolates the encoder; BERT-base's 30522 would only enlarge the shared decoder);
-large = 24 x 1024 x 16 heads with the vocabulary 30522 (BERT-Large, the paper's model).
-`compile_seconds` per row: the step's ahead-of-time lowering and XLA compilation, excluded
-from the rates (each row then runs the compiled step).
+Guarantees: all rows time the same configuration and batch, take turns step by step on a CPU (a
+change of load hits all of them alike), and name the device they ran on; a missing or failing
+peer says why. Rows, units and models in full: docs/INTERNALS.md ("dpbert.bench").
 """
 
 from __future__ import annotations

@@ -1,27 +1,12 @@
-"""Ghost-clipping taps of dpbert's BERT models: per-example losses that implement the DP core's
+"""Ghost-clipping taps of dpbert's BERT models: per-example losses implementing the DP core's
 `GhostLoss` interface (`dpbert.privacy.ghost_clipping`), so DP-SGD clips them exactly without
-per-example gradients.
+per-example gradients: `MLMGhostLoss` (pretraining, one sequence or one document) and
+`ClassifierGhostLoss` (fine-tuning, every parameter or a subset with the rest frozen).
 
-- `MLMGhostLoss`: the masked-LM loss of a `BertForMaskedLM` (pretraining), one sequence or one
-  document (`input_ids` [K, L] with `sequence_padding` [K], `dpbert.privacy.documents`);
-- `ClassifierGhostLoss`: the loss of a `BertForSequenceClassification` (GLUE fine-tuning) over
-  its trained parameters: every parameter ("all"), or a subset with the rest frozen (`frozen`:
-  bias terms + head, LoRA factors + head, the head alone).
-
-Each is also a plain `loss_fn(params, example, rng)`, so the vmap path
-(`dpbert.privacy.clipping`) and the ghost path clip the same function. Their taps cover every
-trained parameter, declared from the params tree: word and token-type tables (`Lookup`),
-position table (`Positions`), every sub-module with a kernel (`Dense`) or a LayerNorm scale
-(`ScaleBias`), each LoRA factor (`Dense`: x -> x A and x A -> (x A) B, `dpbert.model.lora`),
-and the MLM decoder (`Dense` on the tied word table, transposed, with the MLM bias; or the
-untied decoder's kernel). A frozen parameter gets no tap (and no gradient); a trained bias
-whose kernel or scale is frozen gets a `Bias` tap on its layer's output. The encoder's taps
-form one stacked group: the model's own scanned layer body runs with taps (`bert.Tap`), so
-compile time does not grow with depth; a group without taps is left out.
-
-Forward numerics: the tapped forward calls the model's own submodules (embeddings, Linear,
-LayerNorm, attention, pooler, dropout sites and keys), so the loss and its dropout masks are
-those of the plain forward (`dpbert.model.functional`). `remat` is ignored here.
+Guarantees: each is also a plain `loss_fn(params, example, rng)`, so the vmap and ghost paths clip
+the same function; the taps cover every trained parameter (a frozen one gets none), declared from
+the params tree; the tapped forward runs the model's own submodules, so the loss and its dropout
+masks are the plain forward's. The taps of each layer kind: docs/INTERNALS.md ("dpbert.model.ghost").
 """
 
 from __future__ import annotations

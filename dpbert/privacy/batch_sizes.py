@@ -1,28 +1,12 @@
-"""Batch-size planning at a fixed privacy budget: the paper's insight as a table.
+"""Batch-size planning at a fixed privacy budget (`dpbert plan`): the paper's insight as a table.
 
-Anil et al. (2021) train BERT with mega-batches because, at a fixed epsilon and a fixed number
-of examples processed, the noise that DP-SGD adds to the *averaged* gradient, sigma * C / B per
-coordinate, falls as the expected batch B grows: the calibrated noise multiplier sigma grows
-much more slowly than B. The price is fewer steps (T = examples / B).
-
-`plan_batch_sizes(...)` calibrates, for each candidate B, one DP-SGD stage of T steps on N
-examples to the target (epsilon, delta) with `dpbert.privacy.accounting.calibrate_noise_multiplier`,
-the very function a training run's plan calls (`dpbert.config.plan.make_plan`), so a
-recipe with the same N, B, T, delta and accountant trains with exactly the sigma shown.
-
-Columns: sigma (noise multiplier), sigma/B (noise std of the averaged gradient per unit of
-clip norm), sigma/sqrt(B) (the noise-to-signal ratio of the whole run at a fixed example
-budget, up to a constant: T steps of std sigma C / B accumulate sigma C sqrt(T) / B =
-sigma C / sqrt(B * examples)), steps, epochs and the sampling rate q = B / N.
-
-Privacy unit: with `unit="document"` (`dpbert plan --unit document`) N, B and the example budget
-count documents, and the accounting is identical (Poisson sampling of documents at q = B / N,
-the same calibration); with `max_sequences_per_document` K the table adds the sequences a step
-processes at most in expectation, B x K (each sampled document gives at most K sequences).
-
-Recommendation: the largest candidate that still leaves at least `min_steps` steps, unless a
-smaller one is already past the point of diminishing returns (doubling B would cut
-sigma/sqrt(B) by less than `min_gain`): past it the run only loses steps.
+At a fixed epsilon and a fixed number of examples, the noise DP-SGD adds to the averaged gradient,
+sigma C / B, falls as the expected batch B grows (sigma grows much more slowly than B); the price
+is fewer steps. `plan_batch_sizes(...)` calibrates, for each candidate B, the noise multiplier with
+the very function a run's plan calls, so a recipe with the same N, B, T, delta and accountant
+trains with exactly the sigma shown; it recommends the largest B that leaves `min_steps` steps
+unless a smaller one is past diminishing returns. Columns and the document unit:
+docs/INTERNALS.md ("dpbert.privacy.batch_sizes").
 """
 
 from __future__ import annotations

@@ -1,27 +1,14 @@
 """Differentially private word counts: the words a vocabulary may be learned from.
 
-The mechanism (Gaussian partition selection; Korolova et al. 2009, Gopi et al. 2020, as Google's
-differential-privacy library and OpenDP select partitions):
-
-1. Bounded contribution (`bounded_word_counts`): each counted unit (a document, or a window of
-   text) adds 1 to the count of each of its first `words_per_unit` distinct words, in order of first
-   use, and nothing for any further word: a k-sparse 0/1 vector.
-2. Sensitivity for the guarantee's unit (`VocabularyEvent.relation`, `dpbert.privacy.accounting`):
-   adding or removing one document under document-level DP moves the counts by sqrt(k) in L2 and 1 in
-   any count; one training sequence under sequence-level DP changes one counted document's k words
-   for others (sqrt(2k), 1), or meets up to two adjacent windows (`window_sequence_sensitivity`:
-   sqrt(32) for k = w = 14, and 2 in any count).
-3. Noise and threshold (`select_words`): every counted word gets Gaussian noise of standard
-   deviation `noise_multiplier * l2_sensitivity`, drawn with `dpbert.privacy.noise.gaussian` from a
-   key the caller derives from the run's secret (words in sorted order, so the draw does not depend on
-   the corpus order); a word is kept when its noisy count exceeds `VocabularyEvent.threshold`.
+Gaussian partition selection (Korolova et al. 2009, Gopi et al. 2020): each counted unit adds 1 to
+each of its first `words_per_unit` distinct words (`bounded_word_counts`), every counted word gets
+Gaussian noise scaled to the sensitivity of the guarantee's unit, and a word is kept when its noisy
+count exceeds `VocabularyEvent.threshold` (`select_words`).
 
 Guarantees: the kept words and their noisy counts are (epsilon, delta_G + selection_delta)-DP for
-add-or-remove one unit of the ledger (`VocabularyEvent.unit`), where (epsilon, delta_G) is what the
-accountant gives for the `VocabularyEvent`'s Gaussian event (composed with training's in the ledger)
-and a word counted in only one of two neighbouring corpora (count at most the L-infinity bound) is
-kept with probability at most `per_word_selection_probability` (at most `selection_delta` for all
-such words). Nothing here reads the recipe's public seed.
+add-or-remove one unit of the ledger, (epsilon, delta_G) being the accountant's for the event's
+Gaussian mechanism (composed with training's); the noise key comes from the run's secret, never the
+recipe's seed. Sensitivities per unit: docs/INTERNALS.md ("dpbert.privacy.vocabulary").
 """
 
 from __future__ import annotations

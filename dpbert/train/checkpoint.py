@@ -1,29 +1,13 @@
 """Orbax checkpoints of a `TrainState` (pretraining, fine-tuning), with the privacy ledger beside the arrays.
 
-Layout: `RUN_DIR/checkpoints/<step>/{state,meta}`; `state` holds params and optimizer
-state (Orbax standard pytree), `meta` a JSON record: format tag, completed steps, the
-privacy ledger, and the fingerprints of what the arrays depend on (recipe, token store).
+Layout: `RUN_DIR/checkpoints/<step>/{state,meta}` (arrays; a JSON record with the format tag,
+completed steps, the ledger and the fingerprints of what the arrays depend on).
 
-Guarantees:
-- atomic: Orbax writes each step into a temporary folder and renames it when complete,
-  so a run killed mid-save leaves the previous checkpoint as the latest one;
-- a checkpoint is only accepted when its `meta` carries this module's format tag and the
-  arrays match the expected tree; anything else raises `ValueError` naming the path: a folder
-  whose files cannot be read (cut short, overwritten, missing) raises its subclass
-  `DamagedCheckpointError`, so that a resume can fall back to the checkpoint before it
-  (`dpbert.train.engine.restore_or_init`) and `set_aside` moves it out of the steps Orbax
-  tracks; a foreign folder or another recipe's checkpoint is refused with a plain `ValueError`;
-- a failed restore leaves nothing running: Orbax reads the arrays concurrently on an event loop
-  it closes as soon as one read fails, and the reads still in flight would then report to the
-  closed loop ("RuntimeError: Event loop is closed" tracebacks, printed from TensorStore's
-  threads); every restore here runs with loops that let their unfinished reads end before closing;
-- saves are synchronous: when `save` returns, the checkpoint is on disk;
-- layouts: checkpoints are written with the encoder's layers stacked (one array per parameter
-  of the scanned layer body, leading layer axis: `FORMAT` .../2). A checkpoint written before
-  the scanned layout (`LEGACY_FORMAT` .../1: one array per parameter per layer) is restored by
-  reading its per-layer arrays and stacking them, params and optimizer state alike (the values
-  are exactly the saved ones); if that fails, `ValueError` names the checkpoint and says it was
-  written before the scanned layout.
+Guarantees: saves are atomic and synchronous; a checkpoint is accepted only with this module's
+format tag and the expected tree, else `ValueError` names the path; a folder whose files cannot be
+read raises `DamagedCheckpointError`, so a resume can fall back to the one before it; a failed
+restore leaves no Orbax read running; checkpoints written before the scanned layer layout are
+restored exactly. Details: docs/INTERNALS.md ("dpbert.train.checkpoint").
 """
 
 from __future__ import annotations

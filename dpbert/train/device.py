@@ -1,26 +1,14 @@
 """Device-aware training settings: micro-batch size, compute dtype and ghost layer mode.
 
-`device_settings(recipe, config, ...)` returns the `DeviceSettings` a run uses on the backend:
-- CPU: the recipe's own `train.microbatch_size`, `train.dtype` and `train.layer_mode`, nothing
-  measured, nothing built: a recipe runs exactly as written (the default tiny recipe included);
-- GPU or TPU: bfloat16 compute (parameters, clipped sums, noise and optimizer state stay
-  float32: the model's `param_dtype` and the DP core's float32 sums), and the micro-batch size
-  and ghost layer mode with the least expected time over the schedule, timed on placeholder
-  inputs (never on private data) with `dpbert.privacy.tuning.fastest_microbatch_size`. With
-  several processes nothing is timed (each host could measure a different winner, and every
-  host must run the same program): bfloat16 with the recipe's micro-batch and layer mode.
-
-Expected time of micro-batch size m: sum over stages of steps x (seconds of one micro-batch of
-m) x E[micro-batches run]. The padded Poisson batch is scanned in micro-batches and one made
-only of padding rows is skipped (`dpbert.privacy.clipping.scan_microbatches`; the real rows
-come first), so a step runs ceil(R / m) of them for a realized size R, capped by the compiled
-rows of the first device; R is Binomial(N, B / N), taken here in its normal approximation. A
-large micro-batch thus pays for the rows up to the next multiple of m, not for the cap.
+`device_settings(recipe, config, ...)`: on a CPU the recipe's own settings (nothing measured); on a
+GPU or TPU bfloat16 compute and the micro-batch size and layer mode with the least expected time
+over the schedule, timed on placeholder inputs (never on private data); with several processes
+nothing is timed (every host must run the same program).
 
 Guarantees: the settings change speed, memory and (bfloat16) the rounding of the forward and
-backward passes; never the clipping norm, the noise (drawn and added in float32), the
-sensitivity or the accounting. The ledger's physical batch sizes are the caller's, computed
-from the recipe as written, so a run's ledger is the same on every device.
+backward passes, never the clipping norm, the noise (float32), the sensitivity or the accounting;
+the ledger's physical batches come from the recipe as written, so a run's ledger is the same on
+every device. The expected-time model: docs/INTERNALS.md ("dpbert.train.device").
 """
 
 from __future__ import annotations

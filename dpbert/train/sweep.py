@@ -1,33 +1,13 @@
 """`dpbert sweep`: the paper's batch-size result in miniature.
 
-Anil et al. (2021) found that, at a fixed epsilon, DP-SGD on BERT gets better with larger
-batches (up to ~2M sequences per step) and with a batch size that grows during training. A
-sweep file trains arms of one pretraining recipe that differ ONLY in their batch-size
-schedule, each processing the same number of examples (steps = examples / B) at the same
-epsilon (each private arm's noise multiplier is calibrated to the recipe's target by the
-same code as any run), plus a non-private arm:
+A sweep file trains arms of one pretraining recipe that differ only in their batch-size schedule,
+each processing the same number of examples at the same epsilon (each private arm calibrated by the
+same code as any run), plus a non-private arm and, optionally, a document-level arm; it writes
+DIR/sweep.json, a table and DIR/sweep.png (held-out accuracy against batch size).
 
-    # recipes/sweep_tiny.yaml
-    recipe: tiny.yaml                  # relative to the sweep file
-    examples: 40960                    # expected examples processed by every arm
-    batch_sizes: [128, 256, 512, 1024, 2048]
-    schedule: [512, 2048]              # increasing arm: one stage per size, equal shares of examples
-    nonprivate_batch_size: 128         # the non-private arm (no clipping, no noise)
-    nonprivate_set: ["optimizer.learning_rate=2e-3"]   # the non-private arm's own tuning, if any
-    warmup_fraction: 0.1               # warmup steps = this fraction of each arm's steps
-    set: ["train.eval_every=0"]        # overrides for every arm (never schedule or privacy)
-    document_recipe: tiny_document.yaml  # optional: one private arm with a whole document as the
-                                       # privacy unit, at the same epsilon and sequences processed
-
-Output: DIR/sweep.json (one row per arm: name, expected_batch_size (the largest for a
-schedule), epsilon, examples, steps, mlm_accuracy, unigram_accuracy, private, and the noise
-multiplier, wall time and stages), a table on stdout, DIR/sweep.png (held-out accuracy
-against batch size, with the non-private and unigram levels as lines), and each arm's run
-folder under DIR/arms/. All arms share one token store (DIR/store). An arm whose row is in
-DIR/arms/NAME.json from an earlier call with the same definition is not rerun. The document arm
-trains `document_recipe` (the same model and data with `privacy.unit: document`) with its own
-expected documents per step D and cap c: steps = examples / (D x c), and its batch size and examples
-count sequences (D x c per step), so it compares the two units at equal epsilon and compute.
+Guarantees: arms share one token store and differ in nothing but schedule (and privacy for the
+non-private arm); an arm already computed with the same definition is not rerun. The sweep
+file's fields and the outputs: docs/INTERNALS.md ("dpbert.train.sweep") and docs/USAGE.md.
 """
 
 from __future__ import annotations
