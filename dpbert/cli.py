@@ -681,8 +681,10 @@ def _add_audit(sub: argparse._SubParsersAction) -> None:
         "audit",
         help="measure an empirical lower bound on a recipe's epsilon with canaries (one run)",
         description="Insert canaries (each with probability 1/2), run the recipe's DP training, and turn how well "
-        "the canaries' membership can be guessed into a lower bound on epsilon (Steinke, Nasr, Jagielski 2023). "
-        "Writes OUTPUT_DIR/audit.json; the audit run is marked and never released.",
+        "the canaries' membership can be guessed into lower bounds on epsilon (Steinke, Nasr, Jagielski 2023; and the "
+        "f-DP bound of Mahloujifar, Melis, Chaudhuri 2025). Writes OUTPUT_DIR/audit.json; the audit run is marked and "
+        "never released, so a gradient audit also accepts a run with the noise switched off "
+        "(--set privacy.target_epsilon=null --set privacy.noise_multiplier=0; claim: epsilon = infinity).",
     )
     p.add_argument("recipe", metavar="RECIPE", help="recipe YAML file (see recipes/); must be private")
     p.add_argument("--output-dir", required=True, metavar="DIR", help="audit folder (audit.json, run/, store/)")

@@ -726,3 +726,105 @@ def test_an_input_audit_states_its_own_cost_and_a_forged_composition_fails_verif
     assert any("the audit section differs" in p for p in result.problems)
     assert render_audit_section(after["audits"]) in card
     assert ModelCard.load(release / "README.md").data.to_dict()["differential_privacy"]["audits"] == after["audits"]
+
+
+# ---------------------------------------------------------------- the shipped default recipe, as a user runs it
+
+_TINY = str(__import__("pathlib").Path(__file__).resolve().parents[1] / "recipes" / "tiny.yaml")
+
+
+def _audit_json(out) -> dict:
+    import json
+
+    return json.loads((out / "audit.json").read_text())
+
+
+def test_gradient_audit_runs_on_the_shipped_recipe(tmp_path, capsys):
+    """The README's `dpbert audit recipes/tiny.yaml --kind gradient`, on a 20-step schedule: it resolves the
+    recipe's public vocabulary as `pretrain` does and reports both bounds, each within the claim."""
+    from dpbert import cli
+    from dpbert.data.store import read_manifest
+
+    out = tmp_path / "audit"
+    argv = ["audit", _TINY, "--output-dir", str(out), "--kind", "gradient", "--canaries", "1000"]
+    argv += ["--set", "schedule=[{steps: 20, expected_batch_size: 1024}]", "--set", "optimizer.warmup_steps=1"]
+    assert cli.main(argv) == 0
+    table = capsys.readouterr().out
+    assert "lower bound (95% conf.)" in table and "f-DP lower bound (95% conf.)" in table
+    report = _audit_json(out)
+    assert report["kind"] == "gradient" and report["num_canaries"] == 1000 and report["noise_free"] is False
+    assert report["epsilon_claimed"] == pytest.approx(8.0, abs=0.02) and report["delta"] >= 1e-6
+    assert 0.0 <= report["epsilon_lower_bound"] <= report["epsilon_claimed"]
+    assert 0.0 <= report["epsilon_lower_bound_fdp"] <= report["epsilon_claimed"]
+    assert report["fdp_trade_off"] == "gaussian"
+    assert read_manifest(out / "base_store").vocab_size == 8192  # bert-base-uncased-8k, the recipe's public list
+
+
+@pytest.mark.slow  # a real (tiny) pretraining run of the shipped model: compilation dominates
+def test_input_audit_runs_on_the_shipped_recipe(tmp_path):
+    from dpbert import cli
+    from dpbert.data.store import read_manifest
+
+    out = tmp_path / "audit"
+    argv = ["audit", _TINY, "--output-dir", str(out), "--kind", "input", "--canaries", "20", "--json"]
+    for s in (
+        "schedule=[{steps: 2, expected_batch_size: 64}]",
+        "optimizer.warmup_steps=1",
+        "train.eval_batches=1",
+        "train.eval_batch_size=16",
+        "report.fill_mask=[]",
+    ):
+        argv += ["--set", s]
+    assert cli.main(argv) == 0
+    report = _audit_json(out)
+    assert report["kind"] == "input" and report["num_canaries"] == 20 and report["score"] == "pseudo_log_likelihood"
+    assert 0.0 <= report["epsilon_lower_bound"] <= report["epsilon_claimed"]
+    assert 0.0 <= report["epsilon_lower_bound_fdp"] <= report["epsilon_claimed"]
+    assert read_manifest(out / "store").vocab_size == 8192
+    assert not (out / "run" / "release").exists()
+
+
+# ---------------------------------------------------------------- noise switched off: audited, never trained for release
+
+
+def test_pretrain_still_refuses_a_private_recipe_without_noise_and_the_input_audit_says_why(tmp_path, capsys):
+    from dpbert import cli
+
+    no_noise = ["--set", "privacy.target_epsilon=null", "--set", "privacy.noise_multiplier=0"]
+    assert cli.main(["pretrain", _TINY, "--output-dir", str(tmp_path / "run"), *no_noise]) == 1
+    assert "privacy.noise_multiplier" in capsys.readouterr().err
+    assert cli.main(["audit", _TINY, "--output-dir", str(tmp_path / "a"), "--kind", "input", *no_noise]) == 1
+    err = capsys.readouterr().err
+    assert "privacy.noise_multiplier" in err and "--kind gradient only" in err
+    # A target with no noise is a contradiction, named as such.
+    argv = ["audit", _TINY, "--output-dir", str(tmp_path / "b"), "--kind", "gradient"]
+    assert cli.main([*argv, "--set", "privacy.noise_multiplier=0"]) == 1
+    assert "privacy.target_epsilon" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists() and not (tmp_path / "a" / "base_store").exists()
+
+
+@pytest.mark.slow  # two audits of the full 1,100-step schedule (about 25 s each on 2 idle cores)
+def test_noise_free_run_is_caught_and_the_correct_run_stays_below_its_claim(tmp_path):
+    """White box, 10,000 canaries, the tiny recipe's full schedule. Without noise every sampled canary is
+    seen: measured 6.30 (Steinke et al.: 4096 guesses, all right, the grid's largest useful size) and 10.36
+    (f-DP); with the recipe's noise (claim 7.99) measured 1.97 and 2.53 (another secret: 1.66)."""
+    from dpbert import cli
+
+    free = tmp_path / "free"
+    no_noise = ["--set", "privacy.target_epsilon=null", "--set", "privacy.noise_multiplier=0"]
+    assert cli.main(["audit", _TINY, "--output-dir", str(free), "--kind", "gradient", "--json", *no_noise]) == 0
+    report = _audit_json(free)
+    assert report["epsilon_claimed"] == "inf" and report["noise_free"] is True and report["score"] == "sum"
+    assert report["num_canaries"] == 10_000
+    assert report["epsilon_lower_bound"] > 6 and report["epsilon_lower_bound_fdp"] > 6
+    print(f"no noise: {report['epsilon_lower_bound']:.3f} / f-DP {report['epsilon_lower_bound_fdp']:.3f}")
+
+    correct = tmp_path / "correct"
+    assert cli.main(["audit", _TINY, "--output-dir", str(correct), "--kind", "gradient", "--json"]) == 0
+    report = _audit_json(correct)
+    assert report["noise_free"] is False and report["epsilon_claimed"] == pytest.approx(7.99, abs=0.01)
+    assert 0 < report["epsilon_lower_bound"] <= report["epsilon_claimed"]
+    assert 0 < report["epsilon_lower_bound_fdp"] <= report["epsilon_claimed"]
+    print(
+        f"claim {report['epsilon_claimed']:.3f}: {report['epsilon_lower_bound']:.3f} / f-DP {report['epsilon_lower_bound_fdp']:.3f}"
+    )

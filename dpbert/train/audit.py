@@ -15,8 +15,21 @@ Two kinds of canaries (Steinke, Nasr, Jagielski 2023; the bound is `dpbert.priva
   so what the auditor sees there is exactly what it would see inside the full run; the BERT
   itself is not trained.
 
+Two bounds on the same scores, both at the stated confidence (Bonferroni over the same guess
+counts): `epsilon_lower_bound` (Steinke et al.: refutes (epsilon, delta)-DP) and
+`epsilon_lower_bound_fdp` (Mahloujifar et al. 2025, `dpbert.privacy.audit_fdp`: refutes the
+Gaussian trade-off curve of that epsilon at delta, a tighter estimate that assumes DP-SGD's curve
+is at least that Gaussian one).
+
+Noise switched off (`--set privacy.target_epsilon=null --set privacy.noise_multiplier=0`,
+gradient canaries only): the audit model is never released, so the audit runs the recipe's plan
+with sigma = 0; the claim is epsilon = infinity ("inf" in audit.json, `noise_free: true`), and
+the bound shows what the audit catches when the noise is missing. `dpbert pretrain` still refuses
+such a recipe.
+
 Outputs in OUTPUT_DIR: `audit.json` (`kind`, `epsilon_claimed`, `delta`,
-`epsilon_lower_bound`, `epsilon_lower_bound_max_over_k`, `confidence`, canary and guess
+`epsilon_lower_bound`, `epsilon_lower_bound_max_over_k`, `epsilon_lower_bound_fdp` and its
+`fdp_*` guess counts, `confidence`, canary and guess
 counts, `date` (UTC, ISO 8601), `audit: true`, and the empirical figures of the canary scores:
 `auroc` and `tpr_at_fpr` (dpbert's), `jax_privacy` (the AUROC, TPR at low FPR and epsilon lower
 bounds of jax-privacy's canary auditor, when the `crosscheck` extra is installed) and `empirical`,
@@ -55,7 +68,7 @@ import numpy as np
 
 from dpbert.atomic import replace_dir, write_json
 from dpbert.config.plan import plan_recipe
-from dpbert.config.recipe import Recipe, load_recipe
+from dpbert.config.recipe import Recipe, apply_overrides, load_recipe, read_yaml
 from dpbert.data.store import MANIFEST, TOKENIZER_DIR, prepare_store, read_manifest
 from dpbert.data.tokenizer import resolve_tokenizer
 from dpbert.model import functional
@@ -69,6 +82,8 @@ from dpbert.privacy.canaries import (
     run_gradient_canary_audit,
 )
 from dpbert.privacy.randomness import SECRET_FILE, run_secret
+from dpbert.privacy.schedule import BatchSchedule
+from dpbert.release.metadata import epsilon_to_json
 from dpbert.train.metrics import MetricsLog
 from dpbert.train.pretrain import pretrain
 
@@ -102,6 +117,15 @@ class AuditReport:
     score: str
     date: str
     audit: bool = True
+    # The f-DP one-run bound (Mahloujifar et al. 2025) on the same scores and guess counts.
+    epsilon_lower_bound_fdp: float | None = None
+    fdp_trade_off: str | None = None
+    fdp_num_guesses: int | None = None
+    fdp_num_correct: int | None = None
+    fdp_k_plus: int | None = None
+    fdp_k_minus: int | None = None
+    # True when the audited run had its noise switched off (claim: epsilon = infinity).
+    noise_free: bool = False
     # Empirical figures of the canary scores (`dpbert.privacy.audit.empirical_figures`): dpbert's ROC
     # figures and, next to them, jax-privacy's auditor's. None of them is a privacy guarantee.
     auroc: float | None = None
@@ -114,7 +138,8 @@ class AuditReport:
             raise ValueError(f"kind: expected one of {list(KINDS)}, got {self.kind!r}")
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """As audit.json holds it (an infinite claim as "inf")."""
+        return {**dataclasses.asdict(self), "epsilon_claimed": epsilon_to_json(self.epsilon_claimed)}
 
 
 def random_canaries(
@@ -218,7 +243,14 @@ def _figures(scores: np.ndarray, included: np.ndarray, result: Any) -> dict[str,
 
 
 def _report(
-    kind: str, recipe_path: str, claimed: float, result: Any, score: str, figures: dict[str, Any] | None = None
+    kind: str,
+    recipe_path: str,
+    claimed: float,
+    result: Any,
+    score: str,
+    figures: dict[str, Any] | None = None,
+    *,
+    noise_free: bool = False,
 ) -> AuditReport:
     return AuditReport(
         kind=kind,
@@ -235,10 +267,35 @@ def _report(
         k_plus=result.k_plus,
         k_minus=result.k_minus,
         num_candidates=result.num_candidates,
+        epsilon_lower_bound_fdp=result.epsilon_lower_bound_fdp,
+        fdp_trade_off=result.fdp_trade_off,
+        fdp_num_guesses=result.fdp_num_guesses,
+        fdp_num_correct=result.fdp_num_correct,
+        fdp_k_plus=result.fdp_k_plus,
+        fdp_k_minus=result.fdp_k_minus,
         score=score,
         date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        noise_free=noise_free,
         **(figures or {}),
     )
+
+
+def _noise_free_overrides(recipe_path: str | os.PathLike[str], overrides: list[str]) -> tuple[list[str], bool]:
+    """(overrides, noise_free): a private recipe whose overrides switch the noise off
+    (`privacy.noise_multiplier` 0) validates with a placeholder multiplier instead, which the
+    audit then replaces by 0 in its own run (never a release); any other recipe is unchanged."""
+    privacy = apply_overrides(read_yaml(recipe_path), overrides).get("privacy")
+    if not isinstance(privacy, dict) or privacy.get("enabled", True) is not True:
+        return overrides, False
+    sigma = privacy.get("noise_multiplier")
+    if isinstance(sigma, bool) or not isinstance(sigma, int | float) or sigma != 0:
+        return overrides, False
+    if privacy.get("target_epsilon") is not None:
+        raise ValueError(
+            "recipe field 'privacy.target_epsilon': expected null with privacy.noise_multiplier=0 (a run without "
+            f"noise has no finite epsilon to aim at), got {privacy['target_epsilon']!r}"
+        )
+    return [*overrides, "privacy.noise_multiplier=1.0"], True
 
 
 def run_audit(
@@ -262,10 +319,15 @@ def run_audit(
     num_canaries = DEFAULT_CANARIES[kind] if num_canaries is None else num_canaries
     if isinstance(num_canaries, bool) or not isinstance(num_canaries, int) or num_canaries < 2:
         raise ValueError(f"canaries: expected an integer >= 2, got {num_canaries!r}")
-    overrides = list(overrides)
+    overrides, noise_free = _noise_free_overrides(recipe_path, list(overrides))
     recipe = load_recipe(recipe_path, overrides)
     if not recipe.privacy.enabled:
         raise ValueError("recipe field 'privacy.enabled': an audit needs a private recipe (there is no claim to test)")
+    if noise_free and kind != "gradient":
+        raise ValueError(
+            "recipe field 'privacy.noise_multiplier': 0 (noise switched off) is audited with --kind gradient only; "
+            "the input audit trains through `dpbert pretrain`, which refuses a private recipe without noise"
+        )
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
     base = _base_store(recipe, out)
@@ -279,10 +341,15 @@ def run_audit(
     if kind == "gradient":
         # The release's plan: its public N, q and sigma; canaries are stored rows beside the others.
         plan = plan_recipe(recipe, n_train)
+        schedule = plan.schedule
+        if noise_free:
+            schedule = BatchSchedule(
+                stages=tuple(dataclasses.replace(s, noise_multiplier=0.0) for s in schedule.stages)
+            )
         config = GradientCanaryConfig(
             dataset_size=plan.ledger.dataset_size,
             dataset_size_bound=plan.ledger.dataset_size_bound + num_canaries,
-            schedule=plan.schedule,
+            schedule=schedule,
             num_canaries=num_canaries,
             num_other_examples=n_train,
             clip_norm=recipe.privacy.clip_norm,
@@ -295,6 +362,7 @@ def run_audit(
         log(
             f"audit: {num_canaries} gradient canaries ({int(included.sum())} in) through the real DP step, "
             f"{plan.schedule.total_steps} steps over {n_train} + canaries examples"
+            + (" (noise switched off: the claim is epsilon = infinity)" if noise_free else "")
         )
         result = run_gradient_canary_audit(config)
         report = _report(
@@ -304,6 +372,7 @@ def run_audit(
             result.audit,
             result.score,
             _figures(result.scores, result.included, result.audit),
+            noise_free=noise_free,
         )
     else:
         canaries = random_canaries(
@@ -392,18 +461,36 @@ def _figure_rows(report: AuditReport) -> list[tuple[str, str]]:
     ]
 
 
+def _fdp_rows(report: AuditReport) -> list[tuple[str, str]]:
+    if report.epsilon_lower_bound_fdp is None:
+        return []
+    curve = "Gaussian curve" if report.fdp_trade_off == "gaussian" else "(epsilon, delta) curve"
+    return [
+        (
+            f"f-DP lower bound ({100 * report.confidence:g}% conf.)",
+            f"{report.epsilon_lower_bound_fdp:.4g} (Mahloujifar et al., {curve}; same correction); "
+            f"{report.fdp_num_guesses} guesses ({report.fdp_num_correct} correct)",
+        )
+    ]
+
+
 def format_table(report: AuditReport) -> str:
     """The audit as a two-column text table."""
     rows = [
         ("canary kind", report.kind),
         ("canaries (included)", f"{report.num_canaries} ({report.num_included})"),
         ("guesses (correct)", f"{report.num_guesses} ({report.num_correct}); k+={report.k_plus}, k-={report.k_minus}"),
-        ("claimed epsilon", f"{report.epsilon_claimed:.4g} at delta {report.delta:g}"),
+        (
+            "claimed epsilon",
+            f"{report.epsilon_claimed:.4g} at delta {report.delta:g}"
+            + (" (noise switched off: nothing is claimed)" if report.noise_free else ""),
+        ),
         (
             f"lower bound ({100 * report.confidence:g}% conf.)",
-            f"{report.epsilon_lower_bound:.4g} (Bonferroni over {report.num_candidates} guess counts)",
+            f"{report.epsilon_lower_bound:.4g} (Steinke et al.; Bonferroni over {report.num_candidates} guess counts)",
         ),
         ("max over guess counts", f"{report.epsilon_lower_bound_max_over_k:.4g} (as the paper reports; uncorrected)"),
+        *_fdp_rows(report),
         ("score", report.score),
         *_figure_rows(report),
         ("date (UTC)", report.date),
