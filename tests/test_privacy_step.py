@@ -210,3 +210,34 @@ def test_bad_step_config_names_the_field(field, kwargs):
     config = {"clip_norm": 1.0, "noise_multiplier": 1.0, "expected_batch_size": 8, "microbatch_size": 2} | kwargs
     with pytest.raises(ValueError, match=field):
         make_dp_train_step(quadratic_loss, optax.sgd(0.1), **config)
+
+
+def test_parameter_average_is_the_debiased_ema_of_the_iterates():
+    """`default_optimizer(ema_decay=d)` updates the parameters exactly as AdamW does and keeps
+    sum_s (1 - d) d^(t-s) theta_s / (1 - d^t) of the iterates theta_1..theta_t."""
+    from dpbert.privacy.dp_step import ema_params
+
+    decay = 0.9
+    params = {"w": jnp.array([1.0, -2.0, 0.5])}
+    plain, averaged = (
+        default_optimizer(1e-1, weight_decay=0.1),
+        default_optimizer(1e-1, weight_decay=0.1, ema_decay=decay),
+    )
+    s_plain, s_avg = plain.init(params), averaged.init(params)
+    assert jnp.array_equal(ema_params(s_avg, params, decay)["w"], params["w"])  # before any update
+    p1 = p2 = params
+    iterates = []
+    for t in range(5):
+        grads = {"w": jnp.array([0.3, -0.1, 0.2]) * (t + 1)}
+        u1, s_plain = plain.update(grads, s_plain, p1)
+        u2, s_avg = averaged.update(grads, s_avg, p2)
+        p1, p2 = optax.apply_updates(p1, u1), optax.apply_updates(p2, u2)
+        np.testing.assert_array_equal(p1["w"], p2["w"])
+        iterates.append(np.asarray(p2["w"], np.float64))
+    t = len(iterates)
+    expected = sum((1 - decay) * decay ** (t - 1 - s) * x for s, x in enumerate(iterates)) / (1 - decay**t)
+    np.testing.assert_allclose(ema_params(s_avg, p2, decay)["w"], expected, rtol=1e-6)
+    with pytest.raises(ValueError, match="ema_decay"):
+        default_optimizer(1e-1, ema_decay=1.0)
+    with pytest.raises(ValueError, match="no parameter average"):
+        ema_params(s_plain, p1, decay)

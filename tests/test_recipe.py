@@ -84,6 +84,11 @@ def test_tiny_pair_differs_only_in_privacy_and_learning_rate():
             "model.max_position_embeddings",
         ),
         ({**MINIMAL, "report": {"fill_mask": ["no mask here"]}}, "report.fill_mask[0]"),
+        ({**MINIMAL, "reference": {"nonprivate_mlm_accuracy": 32.81}}, "reference.nonprivate_mlm_accuracy"),
+        ({**MINIMAL, "reference": {"nonprivate_mlm_accuracy": 0.0}}, "reference.nonprivate_mlm_accuracy"),
+        ({**MINIMAL, "reference": {"recipe": ""}}, "reference.recipe"),
+        ({**MINIMAL, "reference": {"note": 3}}, "reference.note"),
+        ({**MINIMAL, "reference": {"accuracy": 0.3}}, "reference.accuracy"),
         ({"schedule": MINIMAL["schedule"]}, "privacy"),
     ],
 )

@@ -1,5 +1,6 @@
 """The default recipe (recipes/tiny.yaml, what `make run` runs): its public vocabulary subset,
-its accounting, the recipe header's reference line, and `dpbert bench`'s preset of its shapes."""
+its accounting, its non-private reference (the `reference` section), and `dpbert bench`'s preset of
+its shapes."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from dpbert.bench import MODELS, RECIPE_PRESETS
-from dpbert.config.plan import make_plan
+from dpbert.config.plan import make_plan, plan_recipe
 from dpbert.config.recipe import load_recipe
 from dpbert.data.tokenizer import (
     load_tokenizer,
@@ -90,10 +91,23 @@ def test_default_recipe_is_private_public_and_within_its_budget():
     )
 
 
-def test_recipe_headers_state_the_nonprivate_reference():
+def test_tiny_recipes_state_the_nonprivate_reference():
     for name in ("tiny.yaml", "tiny_nonprivate.yaml"):
-        reference = recipe_reference(RECIPES / name)
+        recipe = load_recipe(RECIPES / name)
+        reference = recipe_reference(recipe)
         assert reference is not None and 0 < reference[0] < 1, name
+        assert recipe.reference.recipe == "tiny_nonprivate.yaml" and reference[1].startswith("tiny_nonprivate.yaml")
+        assert (RECIPES / recipe.reference.recipe).is_file()
+    assert recipe_reference(load_recipe(RECIPES / "tiny.yaml", ["reference.nonprivate_mlm_accuracy=null"])) is None
+
+
+def test_the_reference_changes_no_privacy_plan():
+    recipe = load_recipe(RECIPES / "tiny.yaml")
+    bare = load_recipe(RECIPES / "tiny.yaml", ["reference={}"])
+    assert recipe_reference(bare) is None and recipe.reference != bare.reference
+    plan, plan_bare = plan_recipe(recipe), plan_recipe(bare)
+    assert plan.schedule == plan_bare.schedule and plan.physical_batch_sizes == plan_bare.physical_batch_sizes
+    assert plan.ledger.to_dict() == plan_bare.ledger.to_dict()
 
 
 def test_bench_preset_has_the_default_recipe_shapes():

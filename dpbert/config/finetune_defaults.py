@@ -20,12 +20,10 @@ Language Models Can Be Strong Differentially Private Learners"; Yu et al. 2022,
 - learning rate by trained subset: fewer trained parameters take larger steps (bias terms 1e-2,
   LoRA 1e-2, the head alone 1e-2, full fine-tuning 5e-4 as Li et al.); a run of a few dozen
   steps needs larger ones than the literature's runs of hundreds (DP-BiTFiT 5e-3, LoRA 5e-4 to
-  1e-3). LoRA rank 8 on query and value, epsilon 8, same data as below: lr 5e-3 reached 0.611
-  dev accuracy, 1e-2 0.644, 3e-2 collapsed to the majority class (one run each; B starts at
-  zero, so the update needs larger steps); at epsilon 3, 1e-2 reached 0.693. The head (pooler and classifier) takes steps `head_lr_multiplier` (3) times larger: it
-  starts from scratch or, as all-MiniLM-L6-v2's pooler, from a pretrained layer whose output
-  barely varies across sentences (std 0.036 per unit against 0.2 for the [CLS] state it reads).
-  (Measurements behind these choices: docs/RESULTS.md, "Design measurements".)
+  1e-3; LoRA's B starts at zero, so its update needs larger steps). The head (pooler and
+  classifier) takes steps `head_lr_multiplier` (3) times larger: it starts from scratch or from a
+  pretrained pooler whose output barely varies across sentences. (Measurements behind these
+  choices: docs/RESULTS.md, "Design measurements".)
 
 Nothing here reads the private data except its size n (public, as in every DP run of dpbert).
 """

@@ -17,8 +17,9 @@ Poisson sampling of private and non-private runs alike), `privacy` (DP-SGD on/of
 norm, delta, accountant, `target_epsilon` and/or `noise_multiplier`), `optimizer` (AdamW
 with warmup and decay), `train` (seed, micro-batch size, checkpoint/eval/log cadence,
 dtype), `mesh` (device axes `data` x `fsdp`, see `dpbert.train.mesh`), `target` (planned
-dataset size and hardware, for estimates before a run) and `report` (fill-mask sentences
-printed at the end of a run).
+dataset size and hardware, for estimates before a run), `report` (fill-mask sentences
+printed at the end of a run) and `reference` (the held-out accuracy of the recipe's
+non-private twin, printed beside the run's; it changes no plan).
 """
 
 from __future__ import annotations
@@ -273,6 +274,8 @@ class OptimizerConfig:
 
     Learning rate: linear warmup over `warmup_steps`, then `decay` to
     `end_learning_rate_fraction * learning_rate` at the last step of the schedule.
+    `ema_decay`: keep a moving average of the parameters with this decay, evaluate and release it
+    (post-processing: no privacy cost); null: release the last iterate.
     """
 
     name: Literal["adamw"] = "adamw"
@@ -284,9 +287,16 @@ class OptimizerConfig:
     warmup_steps: int = 0
     decay: Literal["linear", "cosine", "constant"] = "linear"
     end_learning_rate_fraction: float = 0.0
+    ema_decay: float | None = None
 
     def __post_init__(self) -> None:
         _check(self.learning_rate > 0, "learning_rate", "a positive number", self.learning_rate)
+        _check(
+            self.ema_decay is None or 0.0 < self.ema_decay < 1.0,
+            "ema_decay",
+            "a number in (0, 1) or null",
+            self.ema_decay,
+        )
         _check(0.0 <= self.b1 < 1.0, "b1", "a number in [0, 1)", self.b1)
         _check(0.0 <= self.b2 < 1.0, "b2", "a number in [0, 1)", self.b2)
         _check(self.eps > 0, "eps", "a positive number", self.eps)
@@ -399,6 +409,24 @@ class ReportConfig:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class ReferenceConfig:
+    """The non-private reference printed beside a run's held-out accuracy: what the recipe's
+    non-private twin (`recipe`, a recipe file name) reached with the same compute
+    (`nonprivate_mlm_accuracy`, a fraction in (0, 1]; null: no reference), and a short `note`
+    saying how it was measured. A figure for the report only: it changes no plan and no ledger.
+    """
+
+    nonprivate_mlm_accuracy: float | None = None
+    recipe: str | None = None
+    note: str = ""
+
+    def __post_init__(self) -> None:
+        a = self.nonprivate_mlm_accuracy
+        _check(a is None or 0.0 < a <= 1.0, "nonprivate_mlm_accuracy", "a fraction in (0, 1] or null", a)
+        _check(self.recipe is None or bool(self.recipe), "recipe", "a non-empty recipe file name or null", self.recipe)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class Recipe:
     """A whole pretraining run. `schedule` (non-empty) and `privacy` must be given:
     a recipe always says whether, and how, it is private."""
@@ -412,6 +440,7 @@ class Recipe:
     mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
     target: TargetConfig = dataclasses.field(default_factory=TargetConfig)
     report: ReportConfig = dataclasses.field(default_factory=ReportConfig)
+    reference: ReferenceConfig = dataclasses.field(default_factory=ReferenceConfig)
 
     def __post_init__(self) -> None:
         _check(len(self.schedule) > 0, "schedule", "a non-empty list of stages", list(self.schedule))

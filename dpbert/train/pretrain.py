@@ -36,7 +36,7 @@ from dpbert.data.store import TokenStore, prepare_store, train_texts
 from dpbert.data.tokenizer import load_tokenizer, resolve_tokenizer, train_dp_wordpiece
 from dpbert.model import functional
 from dpbert.privacy.documents import SEQUENCE_PADDING
-from dpbert.privacy.dp_step import StepFn, make_dp_train_step, make_train_step
+from dpbert.privacy.dp_step import StepFn, ema_params, make_dp_train_step, make_train_step
 from dpbert.privacy.randomness import SECRET_FILE, RunSecret, mechanism_key, read_secret
 from dpbert.privacy.sampling import check_document_offsets
 from dpbert.release.export import RANDOMNESS_FILE
@@ -355,7 +355,7 @@ def _finish(
         fill_mask=filled,
         eval_unigram_accuracy=last_eval["eval_unigram_accuracy"],
         unigram_token=data.tokenizer.convert_ids_to_tokens(data.unigram),
-        reference=recipe_reference(recipe_path),
+        reference=recipe_reference(recipe),
     )
     if primary:
         print_report(result, release_dir, log)
@@ -515,6 +515,12 @@ def _train(
         last_eval = None
         if not loop.stopped:
             last_eval = run_eval(state)
+            decay = recipe.optimizer.ema_decay
+            if decay is not None:  # the average is what is evaluated and released; the last iterate is logged
+                last = {f"{k}_last_iterate": last_eval[k] for k in ("eval_mlm_accuracy", "eval_mlm_loss")}
+                average = jax.jit(ema_params, static_argnums=2, out_shardings=setup.abstract.shardings[0])
+                state = state.replace(params=average(state.opt_state, state.params, decay))
+                last_eval = {**run_eval(state), **last, "params": f"moving average (decay {decay:g})"}
             if metrics is not None:
                 metrics.write(last_eval)
     finally:

@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import re
 import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from dpbert.atomic import replace_dir, write_json
+from dpbert.config.recipe import Recipe
 from dpbert.model.bert import BertForMaskedLM
 from dpbert.release.export import export_run
 from dpbert.release.metadata import VOCAB_ORIGIN_FILE
@@ -37,7 +37,7 @@ class RunResult:
     # position, same masks): its accuracy and the token. A non-private diagnostic.
     eval_unigram_accuracy: float | None = None
     unigram_token: str | None = None
-    # The recipe header's "Non-private reference: X% ..." line (measured for the shipped recipe).
+    # The recipe's `reference` section: (accuracy, note) of its non-private twin, same compute.
     reference: tuple[float, str] | None = None
 
 
@@ -71,25 +71,16 @@ def export_release(run_dir: Path, *, private: bool) -> Path:
     return export_run(run_dir, run_dir / "release", non_private=not private, overwrite=True)
 
 
-REFERENCE_LINE = re.compile(r"^#\s*non-private reference:\s*([0-9]+(?:\.[0-9]+)?)%\s*(.*)$", re.IGNORECASE)
-
-
-def recipe_reference(path: str | os.PathLike[str]) -> tuple[float, str] | None:
-    """(accuracy, rest of the line) from the recipe header's comment line
-    `# Non-private reference: 21.3% held-out MLM accuracy, measured ...`: the accuracy that the
-    non-private twin of the shipped recipe reached with the same compute (examples and steps).
-    None when the header has no such line."""
-    try:
-        lines = Path(path).read_text(encoding="utf-8").splitlines()
-    except OSError:
+def recipe_reference(recipe: Recipe) -> tuple[float, str] | None:
+    """The recipe's non-private reference (its `reference` section) as (accuracy, note): the
+    held-out MLM accuracy that the recipe's non-private twin reached with the same compute, and
+    how it was measured (the twin's file name first when the recipe names it). None when the
+    recipe gives no `reference.nonprivate_mlm_accuracy`."""
+    ref = recipe.reference
+    if ref.nonprivate_mlm_accuracy is None:
         return None
-    for line in lines:
-        if not line.startswith("#"):
-            break
-        match = REFERENCE_LINE.match(line.strip())
-        if match:
-            return float(match.group(1)) / 100, match.group(2).strip()
-    return None
+    note = ", ".join(part for part in (ref.recipe, ref.note.strip()) if part)
+    return ref.nonprivate_mlm_accuracy, note
 
 
 def print_report(result: RunResult, release: Path | None, log: Callable[[str], None]) -> None:
@@ -116,9 +107,7 @@ def print_report(result: RunResult, release: Path | None, log: Callable[[str], N
             )
         )
     if result.reference is not None:
-        rows.append(
-            ("non-private reference, same compute", result.reference[0], f"recipe header: {result.reference[1]}")
-        )
+        rows.append(("non-private reference, same compute", result.reference[0], result.reference[1]))
     log("held-out masked-token accuracy, same masked positions:")
     for name, value, note in rows:
         log(f"  {name:<40}{100 * value:6.2f}%   {note}".rstrip())

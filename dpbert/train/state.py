@@ -94,7 +94,9 @@ def bert_config(recipe: Recipe, tokenizer_vocab_size: int | None = None) -> Any:
 def make_optimizer(recipe: Recipe) -> optax.GradientTransformation:
     """The recipe's AdamW (`dpbert.privacy.dp_step.default_optimizer`) on its learning-rate schedule."""
     o = recipe.optimizer
-    return default_optimizer(learning_rate(recipe), weight_decay=o.weight_decay, b1=o.b1, b2=o.b2, eps=o.eps)
+    return default_optimizer(
+        learning_rate(recipe), weight_decay=o.weight_decay, b1=o.b1, b2=o.b2, eps=o.eps, ema_decay=o.ema_decay
+    )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
