@@ -1,31 +1,14 @@
 """DP fine-tuning defaults derived from the task's size and the privacy budget.
 
-`derive_dp_defaults(dataset_size=n, epsilon=eps, delta=delta, trainable=...)` returns the
-expected batch size, epochs, clip norm and learning rate that `dpbert finetune --dp` uses for
-every field the recipe leaves at `null`, each with the reason it was chosen (printed before
-training). It follows what made DP fine-tuning work in the literature (Li et al. 2022, "Large
-Language Models Can Be Strong Differentially Private Learners"; Yu et al. 2022,
-"Differentially Private Fine-tuning of Language Models"; Bu et al. 2022, DP-BiTFiT):
+`derive_dp_defaults(dataset_size=n, epsilon=eps, delta=delta, trainable=...)` returns the expected
+batch size, epochs, clip norm and learning rate `dpbert finetune --dp` uses for every field the
+recipe leaves null, each with the reason it was chosen (printed before training), following Li et
+al. 2022, Yu et al. 2022 and Bu et al. 2022: an example budget sets the epochs; the batch is
+`dpbert.privacy.batch_sizes`' recommendation for that budget; clip norm 0.1; the learning rate by
+trained subset, the head's steps `head_lr_multiplier` times larger.
 
-- epochs: a budget of examples processed, `EXAMPLE_BUDGET` (at least `MIN_EPOCHS`, at most
-  `MAX_EPOCHS` passes): a small task gets many epochs, so that it still gets enough steps at a
-  large batch; a large one gets the usual few.
-- expected batch size: the recommendation of `dpbert.privacy.batch_sizes.plan_batch_sizes` for that
-  example budget (the same calibration a run uses): the sampling rate at which the noise of the
-  averaged gradient, sigma/B, is smallest while at least `MIN_STEPS` steps remain, stopping at
-  diminishing returns. Candidates are powers of two up to n/2 (q <= 0.5).
-- clip norm 0.1: with Adam the clip norm only decides which examples are clipped (the update is
-  invariant to a common scale of gradient and noise); a small one clips nearly every example,
-  so each contributes a unit direction: the setting Li et al. found best.
-- learning rate by trained subset: fewer trained parameters take larger steps (bias terms 1e-2,
-  LoRA 1e-2, the head alone 1e-2, full fine-tuning 5e-4 as Li et al.); a run of a few dozen
-  steps needs larger ones than the literature's runs of hundreds (DP-BiTFiT 5e-3, LoRA 5e-4 to
-  1e-3; LoRA's B starts at zero, so its update needs larger steps). The head (pooler and
-  classifier) takes steps `head_lr_multiplier` (3) times larger: it starts from scratch or from a
-  pretrained pooler whose output barely varies across sentences. (Measurements behind these
-  choices: docs/RESULTS.md, "Design measurements".)
-
-Nothing here reads the private data except its size n (public, as in every DP run of dpbert).
+Guarantees: nothing here reads the private data except its size n (public, as in every DP run).
+The reasons in full: docs/INTERNALS.md; the measurements: docs/RESULTS.md ("Design measurements").
 """
 
 from __future__ import annotations

@@ -1,25 +1,15 @@
 """Hugging Face BERT folders <-> dpbert NNX models: the one weight-name mapping.
 
-A dpbert parameter path is the Hugging Face name with the Flax leaf name, except that the
-encoder's layers are stacked (``dpbert.model.bert``: one scanned layer body): the parameter
-``("bert", "encoder", "layer", "attention", "self", "query", "kernel")`` has a leading layer
-axis, and its row i is ``bert.encoder.layer.{i}.attention.self.query.weight``. Leaf renames:
-Linear ``kernel`` [in, out] <-> ``weight`` [out, in] (transposed), Embed ``embedding`` and
-LayerNorm ``scale`` <-> ``weight``, ``bias`` <-> ``bias``. Files on disk are unchanged by the
-stacking: one tensor per layer, under the names transformers uses.
+A dpbert parameter path is the Hugging Face name with the Flax leaf name (kernels transposed,
+`embedding`/`scale` <-> `weight`), the encoder's layers stacked along a leading axis; files on
+disk keep one tensor per layer under transformers' names.
 
-Guarantees:
-- Loading accepts checkpoints with or without the ``bert.`` prefix (a bare ``BertModel`` save),
-  old ``LayerNorm.gamma``/``beta`` names, ``model.safetensors``, a sharded
-  ``model.safetensors.index.json`` or ``pytorch_model.bin`` (needs torch). Weights are stored in
-  float32 whatever the checkpoint dtype.
-- Only head weights (``cls.*``, ``classifier.*``, the pooler) may be missing: they keep their
-  fresh initialisation and a ``UserWarning`` names them. A missing encoder weight or any shape
-  mismatch is a ``ValueError`` naming the file, the parameter and expected vs found shapes.
-- ``save_pretrained`` writes exactly the tensors transformers saves for the same class
-  (tied decoder omitted), so ``transformers`` loads them with nothing missing or unexpected.
-  A new folder appears whole (written in a temporary sibling, then renamed); in an existing
-  folder each file is replaced atomically and other files (e.g. a tokenizer) are kept.
+Guarantees: loading accepts checkpoints with or without the `bert.` prefix, old LayerNorm names,
+safetensors (single or sharded) or `pytorch_model.bin`; weights are stored in float32; only head
+weights may be missing (a warning names them), anything else missing or mis-shaped is a
+`ValueError` naming file, parameter and shapes; `save_pretrained` writes exactly the tensors
+transformers saves, so it loads them with nothing missing, and a folder appears whole (atomic).
+Details: docs/INTERNALS.md ("dpbert.model.hf_io").
 """
 
 from __future__ import annotations

@@ -1,39 +1,15 @@
 """Empirical lower bounds on epsilon from canaries in one training run.
 
-Implements the one-run audit of Steinke, Nasr and Jagielski (2023, "Privacy Auditing
-with One (1) Training Run", NeurIPS). `m` canaries are each included in the training set
-independently with probability 1/2; after training, an auditor scores every canary
-(higher score = "more likely in"), guesses "in" for the `k_plus` highest scores, "out"
-for the `k_minus` lowest and abstains on the rest. If the mechanism is (epsilon, delta)-DP
-with respect to one canary, the number W of correct guesses among r = k_plus + k_minus
-guesses satisfies, for every v (the paper's Theorem 3),
+The one-run audit of Steinke, Nasr and Jagielski (2023): `m` canaries each included with
+probability 1/2; an auditor guesses "in" for the highest scores and "out" for the lowest;
+`p_value` is the paper's Theorem 3 bound on the number of correct guesses of an (epsilon,
+delta)-DP mechanism, and `epsilon_lower_bound` the largest epsilon it still rejects.
+`audit_scores` also reports the f-DP bound (`dpbert.privacy.audit_fdp`) on the same guess counts.
 
-    P[W >= v] <= f(v) + 2 * m * delta * max_{i in 1..v} (f(v - i) - f(v)) / i,
-    f(v) = P[Binomial(r, e^eps / (1 + e^eps)) >= v].
-
-`p_value` is that right-hand side, computed exactly as the paper's Appendix algorithm
-(for delta = 0 it is the pure-DP binomial tail). `epsilon_lower_bound` is the largest
-epsilon whose p-value at the observed count is still below `1 - confidence`: with
-probability at least `confidence` over the canary coin flips and the mechanism's
-randomness, a mechanism that really is (epsilon, delta)-DP would not produce a larger
-bound. Rejecting (epsilon, delta)-DP also rejects every smaller epsilon, so the bisection
-is valid even where the p-value is not monotone.
-
-Choosing the number of guesses after looking at the outcome is a multiple comparison.
-The paper reports the maximum over its (k_plus, k_minus) choices; `audit_scores` reports
-that figure as `epsilon_lower_bound_max_over_k` but its headline `epsilon_lower_bound`
-is Bonferroni-corrected over the fixed candidate grid (each candidate tested at
-`(1 - confidence) / num_candidates`), so it keeps its stated confidence. The grid (`guess_grid`)
-depends only on m and the confidence, and leaves out guess counts too small to ever give a
-positive bound, which would only cost level.
-
-How tight it can be: for a Gaussian mechanism the bound stays well below the claim however good
-the scores (Theorem 3 compares against randomized response). Exact Gaussian scores at claimed
-epsilon 4 and 8 (delta 1e-5) give about 1.5 and 2.7, for m from 2,000 to 50,000. `audit_scores`
-therefore also reports the f-DP analysis of the same experiment (Mahloujifar, Melis, Chaudhuri,
-ICML 2025; `dpbert.privacy.audit_fdp`) on the same guess counts, Bonferroni-corrected the same way.
-
-Pure numpy/scipy; knows nothing about models or training.
+Guarantees: with probability at least `confidence` a mechanism that is (epsilon, delta)-DP gives a
+bound <= epsilon; the headline bound is Bonferroni-corrected over a fixed guess grid that depends
+only on m and the confidence (the uncorrected maximum is reported separately). Pure numpy/scipy.
+How tight it can be, and the algorithm: docs/INTERNALS.md ("dpbert.privacy.audit").
 """
 
 from __future__ import annotations

@@ -1,29 +1,14 @@
 """White-box audit of the DP-SGD engine with gradient canaries, in one run.
 
-Each of `num_canaries` canaries owns one coordinate of an auxiliary parameter vector `aux`
-(the whole "model" here; in a real model it would be a vector no layer reads, so every
-other example's gradient is exactly zero on it). Canary j's loss is `g * aux[j]`, a Dirac
-gradient of norm `g = canary_gradient_norm` (default 10 * clip_norm, so the real clipping
-has to bring it down to clip_norm). Each canary joins the dataset independently with
-probability 1/2, next to `num_other_examples` examples whose gradient on `aux` is zero.
-Then the REAL engine runs the schedule: `poisson_sample` picks every step's batch,
-`make_dp_train_step` clips, sums, adds N(0, (sigma*C)^2) once and divides by the expected
-batch size, and plain SGD with learning rate 1 applies the update.
+Each canary owns one coordinate of an auxiliary parameter vector no other example's gradient
+touches, with a Dirac gradient larger than the clip norm; each joins the dataset with probability
+1/2. The REAL engine runs the recipe's schedule (`poisson_sample`, `make_dp_train_step`), and the
+auditor, who sees every intermediate model, scores each canary by the Neyman-Pearson
+log-likelihood ratio of "in" versus "out" summed over steps.
 
-The auditor sees what the DP-SGD threat model lets it see: every intermediate model. From
-consecutive models it recovers each step's noisy clipped sum on `aux` and scores canary j by
-the log-likelihood ratio of "in" versus "out" summed over steps: per step t with rate q_t and
-noise sigma_t, y = sum_j / (sigma_t C) is N(0, 1) if out and the mixture
-(1 - q_t) N(0, 1) + q_t N(mu_t, 1) if in, mu_t = min(g, C) / (sigma_t C), so the score adds
-log(1 - q_t + q_t exp(mu_t y - mu_t^2 / 2)). This is the most powerful per-canary
-test (Neyman-Pearson), so the audit probes exactly the mechanism the accountant models.
-With a stage at noise multiplier 0 the ratio is undefined and the score is the plain sum.
-The one-run bound (`dpbert.privacy.audit`) then turns the scores into an epsilon lower bound.
-
-Guarantees: the bound is a valid lower bound at `confidence` for the run's own claim
-`ledger.epsilon()` at `ledger.delta + ledger.truncation_delta()`; all randomness comes from
-the audit's `secret` (`audit_keys`: canary coin flips from one key, the run's steps from
-fold_in(run_key, t) of another), never from anything published.
+Guarantees: the bound (`dpbert.privacy.audit`) is a valid lower bound at `confidence` for the run's
+own claim at its delta plus truncation delta; all randomness comes from the audit's secret
+(`audit_keys`), never from anything published. The score's derivation: docs/INTERNALS.md.
 """
 
 from __future__ import annotations

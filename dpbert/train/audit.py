@@ -1,53 +1,16 @@
 """`dpbert audit`: an empirical lower bound on a recipe's epsilon, from canaries, in one run.
 
-Two kinds of canaries (Steinke, Nasr, Jagielski 2023; the bound is `dpbert.privacy.audit`):
+Two kinds of canaries: `input` (black box: random sequences join the recipe's training set with
+probability 1/2, the recipe is trained as usual on an audit token store, and each canary is scored
+by its pseudo-log-likelihood under the final model) and `gradient` (white box: the recipe's privacy
+plan run through the real DP step with Dirac gradient canaries, `dpbert.privacy.canaries`). Two
+bounds on the same scores at the stated confidence: Steinke et al.'s and the f-DP bound
+(`dpbert.privacy.audit_fdp`). A gradient audit may switch the noise off (claim: infinity).
+`--card RELEASE` adds the result to a release as an audited figure (`dpbert.release.audited`).
 
-- `input` (black box): M random sequences ([CLS], uniform non-special tokens, [SEP]) each
-  join the training set independently with probability 1/2. The recipe is trained as usual
-  (`dpbert.train.pretrain.pretrain`, same DP plan) on an *audit token store*: the recipe's
-  train split with the included canaries appended (eval split unchanged). Afterwards every
-  canary is scored by its pseudo-log-likelihood under the final model (each non-special
-  position masked in turn, mean log-probability of the true token); members should score
-  higher.
-- `gradient` (white box): the recipe's privacy plan (dataset size, schedule, calibrated
-  noise, clip norm, delta) run through the real DP step with Dirac gradient canaries
-  (`dpbert.privacy.canaries`). Real examples have zero gradient on the canary coordinates,
-  so what the auditor sees there is exactly what it would see inside the full run; the BERT
-  itself is not trained.
-
-Two bounds on the same scores, both at the stated confidence (Bonferroni over the same guess
-counts): `epsilon_lower_bound` (Steinke et al.: refutes (epsilon, delta)-DP) and
-`epsilon_lower_bound_fdp` (Mahloujifar et al. 2025, `dpbert.privacy.audit_fdp`: refutes the
-Gaussian trade-off curve of that epsilon at delta, a tighter estimate that assumes DP-SGD's curve
-is at least that Gaussian one).
-
-Noise switched off (`--set privacy.target_epsilon=null --set privacy.noise_multiplier=0`,
-gradient canaries only): the audit model is never released, so the audit runs the recipe's plan
-with sigma = 0; the claim is epsilon = infinity ("inf" in audit.json, `noise_free: true`), and
-the bound shows what the audit catches when the noise is missing. `dpbert pretrain` still refuses
-such a recipe.
-
-Outputs in OUTPUT_DIR: `audit.json` (`kind`, `epsilon_claimed`, `delta`,
-`epsilon_lower_bound`, `epsilon_lower_bound_max_over_k`, `epsilon_lower_bound_fdp` and its
-`fdp_*` guess counts, `confidence`, canary and guess
-counts, `date` (UTC, ISO 8601), `audit: true`, and the empirical figures of the canary scores:
-`auroc` and `tpr_at_fpr` (dpbert's), `jax_privacy` (the AUROC, TPR at low FPR and epsilon lower
-bounds of jax-privacy's canary auditor, when the `crosscheck` extra is installed) and `empirical`,
-the label saying that none of them is a guarantee: `dpbert.privacy.audit.empirical_figures`).
-With `--card RELEASE_DIR` the result is also added to that release's privacy.json and model
-card as an audited figure, clearly labelled an empirical lower bound
-(`dpbert.release.audited.add_audit`; atomic, verified). An input audit
-also leaves `run/` (the pretraining run, marked: its `privacy.json` carries `audit: true` and
-so no longer parses as a releasable ledger, an `audit` record ends `metrics.jsonl`, its
-`release/` export is removed) and `store/` (the audit token store, whose manifest `source`
-names the canaries).
-
-Measured bounds (recipe, canaries, wall time) are in docs/RESULTS.md.
-
-Guarantees: canaries exist only in OUTPUT_DIR's audit store; the recipe's own token store is
-read, never written; a plain `dpbert pretrain` never sees canaries. Canary tokens and coin
-flips come from the canary key of `dpbert.privacy.canaries.audit_keys(secret, kind)`, drawn from
-the audit's own secret and disjoint from every training key.
+Guarantees: canaries exist only in OUTPUT_DIR's audit store; the recipe's own store is read, never
+written; canary tokens and coin flips come from the audit's own secret, disjoint from every training
+key; the audit model is never released. Outputs: docs/INTERNALS.md ("dpbert.train.audit").
 """
 
 from __future__ import annotations
