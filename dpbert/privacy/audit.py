@@ -23,10 +23,7 @@ import scipy.special
 import scipy.stats
 
 from dpbert.privacy import crosscheck
-from dpbert.privacy.audit_fdp import TradeOff, fdp_epsilon_lower_bound
-
-_EPSILON_SEARCH_MAX = 100.0
-_BISECTION_STEPS = 40
+from dpbert.privacy.audit_fdp import TradeOff, fdp_epsilon_lower_bound, largest_rejected_epsilon
 
 
 def correct_guesses(scores: np.ndarray, included: np.ndarray, *, k_plus: int, k_minus: int) -> int:
@@ -96,22 +93,12 @@ def epsilon_lower_bound(
         )
 
     # delta only adds to the p-value: if pure DP at epsilon 0 is not rejected, nothing is.
-    if p_value(
-        num_canaries=num_canaries, num_guesses=num_guesses, num_correct=num_correct, epsilon=0.0, delta=0.0
-    ) >= significance or not rejected(0.0):
+    if (
+        p_value(num_canaries=num_canaries, num_guesses=num_guesses, num_correct=num_correct, epsilon=0.0, delta=0.0)
+        >= significance
+    ):
         return 0.0
-    lo, hi = 0.0, 1.0
-    while rejected(hi):
-        lo, hi = hi, 2 * hi
-        if hi > _EPSILON_SEARCH_MAX:
-            return _EPSILON_SEARCH_MAX
-    for _ in range(_BISECTION_STEPS):
-        mid = (lo + hi) / 2
-        if rejected(mid):
-            lo = mid
-        else:
-            hi = mid
-    return lo
+    return largest_rejected_epsilon(rejected)
 
 
 def guess_grid(num_canaries: int, *, confidence: float = 0.95) -> tuple[tuple[int, int], ...]:

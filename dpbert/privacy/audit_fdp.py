@@ -136,6 +136,13 @@ def fdp_epsilon_lower_bound(
             significance=significance,
         )
 
+    return largest_rejected_epsilon(rejected)
+
+
+def largest_rejected_epsilon(rejected: Callable[[float], bool]) -> float:
+    """The largest epsilon in [0, `_EPSILON_SEARCH_MAX`] that `rejected` still rejects (0 when it
+    rejects none), by doubling then bisection; valid because rejecting epsilon rejects every smaller
+    one. Shared by both one-run bounds."""
     if not rejected(0.0):
         return 0.0
     lo, hi = 0.0, 1.0
