@@ -262,7 +262,7 @@ def _audit(args: argparse.Namespace) -> int:
     )
     print(json.dumps(report.to_dict(), indent=2, sort_keys=True) if args.json else format_table(report))
     if args.card:
-        from dpbert.release.audited import add_audit  # deferred: per subcommand, see the module docstring
+        from dpbert.release.audit_figures import add_audit  # deferred: per subcommand, see the module docstring
 
         figure = add_audit(args.card, report.to_dict())
         if not args.json:

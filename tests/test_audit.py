@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import scipy.stats
 
-from dpbert.privacy import audit
+from dpbert.privacy import audit_bounds as audit
 from dpbert.privacy.randomness import SUPPLIED, RunSecret
 
 # ---------------------------------------------------------------- the bound itself
@@ -201,14 +201,14 @@ _SECRET = RunSecret(bytes(range(32)), SUPPLIED)
 
 
 def _included() -> int:
-    from dpbert.privacy.canaries import audit_keys, canary_inclusion
+    from dpbert.privacy.gradient_canaries import audit_keys, canary_inclusion
 
     return int(canary_inclusion(audit_keys(_SECRET, "gradient")[1], 2000).sum())
 
 
 def _gradient_audit(noise_multiplier: float, clip_norm: float = 1.0, target_epsilon: float | None = None):
     from dpbert.privacy import BatchSchedule
-    from dpbert.privacy.canaries import GradientCanaryConfig, run_gradient_canary_audit
+    from dpbert.privacy.gradient_canaries import GradientCanaryConfig, run_gradient_canary_audit
 
     schedule = BatchSchedule.constant(steps=2, expected_batch_size=500, noise_multiplier=noise_multiplier)
     config = GradientCanaryConfig(
@@ -258,7 +258,7 @@ def test_correct_engine_bound_is_below_the_claim_and_within_a_factor(target):
 @pytest.mark.parametrize("target", [4.0, 8.0])
 def test_full_batch_engine_bound_is_within_a_factor_4_of_the_claim(target):
     from dpbert.privacy import BatchSchedule
-    from dpbert.privacy.canaries import GradientCanaryConfig, run_gradient_canary_audit
+    from dpbert.privacy.gradient_canaries import GradientCanaryConfig, run_gradient_canary_audit
 
     schedule = BatchSchedule.constant(steps=1, expected_batch_size=_included(), noise_multiplier=1.0)
     result = run_gradient_canary_audit(
@@ -592,7 +592,7 @@ def test_audit_adds_a_labelled_lower_bound_to_a_release_that_still_verifies(
     assert not [p for p in release.parent.iterdir() if p.name.startswith(".")]  # no temporaries left
 
     # A newer audit of the same kind replaces the figure; the card keeps one section.
-    from dpbert.release.audited import add_audit
+    from dpbert.release.audit_figures import add_audit
 
     newer = {**report, "date": "2030-01-01T00:00:00+00:00"}
     add_audit(release, newer)
@@ -613,7 +613,7 @@ def test_audit_adds_a_labelled_lower_bound_to_a_release_that_still_verifies(
 def test_audit_is_refused_for_another_privacy_plan_or_a_broken_release(audited_release, tmp_path):
     import json
 
-    from dpbert.release.audited import add_audit
+    from dpbert.release.audit_figures import add_audit
 
     release = audited_release
     epsilon = json.loads((release / "privacy.json").read_text())["guarantees"][0]["epsilon"]
@@ -662,7 +662,7 @@ def test_an_input_audit_states_its_own_cost_and_a_forged_composition_fails_verif
     from huggingface_hub import ModelCard
 
     from dpbert.release import verify_folder
-    from dpbert.release.audited import add_audit
+    from dpbert.release.audit_figures import add_audit
     from dpbert.release.card import render_audit_section, with_audits
     from dpbert.release.metadata import guarantees_from_json
 

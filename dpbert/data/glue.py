@@ -1,23 +1,12 @@
 """GLUE tasks: specs, loaders (GLUE TSV folders, CSV, JSON lines, parquet, the Hub) and encoding.
 
 The nine tasks are frozen `GlueTask` specs in `GLUE_TASKS`, keyed by the `nyu-mll/glue` config
-name. Each spec carries:
+name: input columns, label names in ClassLabel order (`None` for STS-B regression), `evaluate`'s
+metric names, and the original release's file layout (docs/INTERNALS.md, "dpbert.data.glue").
 
-- the input columns under their `nyu-mll/glue` names (one sentence or a pair);
-- the label names in the order of the `nyu-mll/glue` ClassLabel (index i == label id i), or
-  `None` for STS-B (regression, scores in [0, 5]);
-- the metric names exactly as `evaluate`'s GLUE metric reports them;
-- the layout of the original GLUE release: file per split, header row, and which column holds
-  each input and the label (CoLA's train/dev files have no header: label in column 1, sentence
-  in column 3).
-
-Labels are accepted as the ClassLabel index (``1`` or ``"1"``, which is how the binary tasks'
-TSVs write them) or as the label name (``"entailment"``, how MNLI/QNLI/RTE TSVs write them).
-Anything else (the Hub's ``-1`` test labels, a typo, an STS-B score outside [0, 5]) is a
-`ValueError` naming the file and row.
-
-GLUE TSVs contain unbalanced quote characters, so they are read with `csv.QUOTE_NONE`
-(a quote is an ordinary character), as the GLUE release and `datasets`' GLUE script do.
+Guarantees: labels are accepted as the ClassLabel index or the label name; anything else (the
+Hub's -1 test labels, a typo, an STS-B score outside [0, 5]) is a `ValueError` naming the file and
+row. TSVs are read with `csv.QUOTE_NONE`, as the GLUE release and `datasets`' GLUE script do.
 """
 
 from __future__ import annotations

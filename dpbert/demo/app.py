@@ -2,20 +2,12 @@
 
 `build_app(models)` returns the `gr.Blocks`; `serve(sources, ...)` loads checkpoints and launches
 it (what `dpbert demo` and `demo/app.py` run). The API endpoint `/fill_mask` takes one string and
-returns, e.g. through `gradio_client.Client(url).predict(text, api_name="/fill_mask")`:
+returns, per model, its privacy label and guarantees, the filled sentence and the top-k tokens
+with probabilities per mask (schema: docs/INTERNALS.md, "dpbert.demo.app").
 
-    {model name: {"privacy": {"private": bool, "label": str, "vocabulary": str | None,
-                              "guarantees": [{"scope", "epsilon" (null = inf), "delta", "accountant"}]},
-                  "filled": str,   # the sentence with each mask replaced by its top-1 token
-                  "masks": [[{"token": str, "token_id": int, "score": float}, ...top-k], ...per mask]}}
-
-Scores are probabilities (softmax over the vocabulary at that position), best first.
-Bad input (no [MASK], more than `MAX_MASKS`, text longer than a model takes) is a `gr.Error`,
-which the page shows and `gradio_client` raises as `AppError` with the same message.
-
-Serving defaults: binds 127.0.0.1 (pass `host` or `share=True` to expose it), one queue with a
-concurrency limit (inference is CPU/accelerator bound; more workers only queue inside JAX), no
-analytics.
+Guarantees: bad input (no [MASK], more than `MAX_MASKS`, text longer than a model takes) is a
+`gr.Error`, which `gradio_client` raises as `AppError` with the same message. Serving binds
+127.0.0.1 unless told otherwise, with one queue and no analytics.
 """
 
 from __future__ import annotations

@@ -1,24 +1,14 @@
 """LoRA (Hu et al. 2021) on the encoder's dense layers, and its merge into plain weights.
 
 `add_lora(model, LoRAConfig(rank=8, alpha=16, targets=("query", "value")), rngs)` replaces each
-target `nnx.Linear` of the (stacked, scanned) encoder layer by a `LoRALinear` that computes
+target `nnx.Linear` of the stacked encoder layer by `LoRALinear`: y = x W + b + (alpha/rank)(x A) B,
+A uniform(+-1/sqrt(d_in)) (PEFT's default), B zero, so the model is unchanged at initialisation;
+each layer has its own A and B. `merge_lora(model)` folds them back into plain `nnx.Linear`
+layers, which export under the usual Hugging Face names (outputs equal up to 1e-5).
 
-    y = x W + b + (alpha / rank) * (x A) B,   A [d_in, r], B [r, d_out]
-
-with `W`, `b` the pretrained layer (kept as `base`), A drawn uniform(+-1/sqrt(d_in)) (PEFT's
-default) and B zero, so the model is unchanged at initialisation. The factors carry the
-encoder's leading layer axis, like every stacked parameter: each layer has its own A and B.
-
-`merge_lora(model)` puts W + (alpha/rank) A B back into plain `nnx.Linear` layers, so the
-model exports under the usual Hugging Face names (and loads in transformers'
-`AutoModelForSequenceClassification`); its outputs equal the LoRA model's up to float32
-rounding (tested to 1e-5).
-
-Guarantees: the LoRA factors are ordinary `nnx.Param` leaves whose paths end in `lora_a` /
-`lora_b` (`is_lora_path`), so any per-example clipping over a params pytree (the DP core's
-`clipped_grad_sum`) clips them with everything else that is trained. Both factors enter
-linearly (x -> x A, then x A -> (x A) B), so ghost clipping covers them as two dense taps
-(`dpbert.model.ghost`).
+Guarantees: the factors are ordinary `nnx.Param` leaves whose paths end in `lora_a` / `lora_b`
+(`is_lora_path`), so per-example clipping over the params pytree clips them with everything else
+trained; both enter linearly, so ghost clipping covers them as two dense taps.
 """
 
 from __future__ import annotations

@@ -1,36 +1,17 @@
 """The f-DP one-run bound: Mahloujifar, Melis, Chaudhuri (ICML 2025, "Auditing f-Differential
-Privacy in One Run", arXiv 2410.22235), on the experiment of `dpbert.privacy.audit`.
+Privacy in One Run", arXiv 2410.22235), on the experiment of `dpbert.privacy.audit_bounds`.
 
-Same experiment as Steinke, Nasr and Jagielski's: `m` canaries, each in with probability 1/2,
-`k` guesses of which `v` are correct. The null hypothesis is that the mechanism is f-DP with
-respect to each canary for a symmetric trade-off curve f. Write C for the number of correct
-guesses and, for i = 0..k, r_i = E[C 1{C >= i}] / m and h_i = E[(k - C) 1{C >= i}] / m (the
-mean, over canaries, of "this canary is guessed right (wrong) and C >= i"). Flipping one
-canary's bit turns its right guess into a wrong one and lowers C by one, so f-DP and the
-convexity of the inverse blow-up B^-1(y) = f(1 - y) give h_i >= B^-1(r_{i+1}); and
-r_i - r_{i+1} = i/(k - i) (h_i - h_{i+1}) since both count the canaries of {C = i}. Starting
-from P[C >= v] = tau (r_v = tau v/m, h_v = tau (k - v)/m, the worst case of the paper's
-analysis), the recursion gives the least r_0 + h_0 any f-DP mechanism can have; r_0 + h_0 is
-k/m for every mechanism, so if the least exceeds k/m, P[C >= v] < tau under the null and the
-observation rejects f-DP at level tau (the paper's `audit_rh_with_cap`).
-
-Trade-off families, indexed by epsilon at the audit's delta:
-- "gaussian" (the paper's and jax-privacy's choice): G_mu, mu-GDP with mu such that G_mu is
-  (epsilon, delta)-DP and no better (Dong, Roth, Su 2022, Corollary 2.13). Rejecting it refutes
-  "the mechanism is at least as private as a Gaussian mechanism of that epsilon at delta", a
-  stronger claim than (epsilon, delta)-DP; DP-SGD's own curve is close to Gaussian after many
-  steps but is not one, so this figure is an empirical estimate of epsilon, not a certificate that
-  (epsilon, delta)-DP fails.
-- "epsilon_delta": the (epsilon, delta)-DP curve itself. Its rejection refutes (epsilon, delta)-DP
-  exactly, the null of Steinke et al.'s test. For delta = 0 the analysis is exact and gives the
-  same bound as their binomial tail (tests/test_audit.py checks it).
-Since G_mu lies above the (epsilon, delta) curve, the "gaussian" bound is never below the
-"epsilon_delta" bound on the same counts.
+Same experiment as Steinke, Nasr and Jagielski's (`m` canaries, each in with probability 1/2,
+`k` guesses of which `v` are correct); the null hypothesis is that the mechanism is f-DP with
+respect to each canary for a symmetric trade-off curve f, indexed by epsilon at the audit's delta:
+"gaussian" (G_mu at (epsilon, delta), the paper's and jax-privacy's choice: an empirical estimate
+of epsilon) or "epsilon_delta" (the (epsilon, delta)-DP curve itself: its rejection refutes
+(epsilon, delta)-DP exactly). The "gaussian" bound is never below the "epsilon_delta" one.
 
 Guarantee: with probability >= 1 - significance over the canary coin flips and the mechanism's
-randomness, a mechanism that is f-DP for the family's curve at epsilon gives a bound <= epsilon
-(rejecting a curve also rejects every curve below it, so the bisection over epsilon is valid).
-Pure numpy/scipy; computed by dpbert, compared with jax-privacy's auditor in the tests.
+randomness, a mechanism that is f-DP for the family's curve at epsilon gives a bound <= epsilon.
+Pure numpy/scipy; compared with jax-privacy's auditor in the tests. The recursion and why each
+family means what it does: docs/INTERNALS.md ("dpbert.privacy.audit_fdp").
 """
 
 from __future__ import annotations

@@ -1,24 +1,16 @@
-"""Per-example clipped gradient *sum*, computed in micro-batches.
-
-Each example's whole gradient (all leaves together) is scaled to L2 norm at most `clip_norm`,
-then the clipped gradients are summed. Micro-batches of `microbatch_size` examples are
-vectorized with `vmap` and scanned with `lax.scan` inside one jitted computation, so memory
-is set by the micro-batch, not by the batch.
+"""Per-example clipped gradient *sum*, computed in micro-batches (`vmap` inside `lax.scan`, so
+memory is set by the micro-batch, not by the batch).
 
 Guarantees:
-- Sensitivity: adding or removing one example changes the sum by at most `clip_norm` in L2
-  norm (up to float rounding). The sum is never divided by anything here; the caller divides
-  by the public expected batch size after adding noise.
-- Padding rows (`is_padding`) contribute exactly zero, whatever their content.
-- An example whose loss or gradient is non-finite contributes exactly zero (it cannot poison
-  the sum or reveal itself through a NaN) and is counted in `ClipStats.num_nonfinite`.
-- Example i of the batch (global position `position_offset + i`) gets the key
-  `fold_in(rng, position_offset + i)`, so the result does not depend on `microbatch_size` or on
-  how the batch is split over devices (up to float summation order).
-- `ClipStats` are computed on private data: they are NOT covered by the DP guarantee.
-- Precision: norms, clip factors and the clipped sum are float32 at HIGHEST precision whatever
-  the model's compute dtype, so no clipped example exceeds clip_norm on an accelerator (whose
-  default TF32 or bfloat16 contractions would round the clip factors and gradients).
+- Sensitivity: adding or removing one example changes the sum by at most `clip_norm` in L2 norm
+  (up to float rounding). The sum is never divided here; the caller divides by the public
+  expected batch size after adding noise.
+- Padding rows (`is_padding`) and examples with a non-finite loss or gradient contribute exactly
+  zero (the latter counted in `ClipStats.num_nonfinite`, which is NOT covered by the guarantee).
+- Example i of the batch gets the key `fold_in(rng, position_offset + i)`, so the result does not
+  depend on `microbatch_size` or on the device split (up to float summation order).
+- Norms, clip factors and the sum are float32 at HIGHEST precision whatever the compute dtype, so
+  no clipped example exceeds clip_norm on an accelerator (TF32/bfloat16 rounding).
 """
 
 from __future__ import annotations

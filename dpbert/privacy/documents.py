@@ -1,24 +1,15 @@
 """Document-level DP: a document, not a sequence, is the unit that is sampled and clipped.
 
-A document example is a pytree whose leaves have a leading axis of K =
-`max_sequences_per_document` sequence slots, plus `sequence_padding` (bool [K], True in unused
-slots). `document_loss(loss_fn)` turns a per-sequence `loss_fn(params, sequence, rng)` into the
-per-document loss
+A document example is a pytree whose leaves lead with K = `max_sequences_per_document` sequence
+slots, plus `sequence_padding` (bool [K]). `document_loss(loss_fn)` sums a per-sequence loss over
+the real slots, so the clipped sum clips each document's summed gradient to C as a whole: adding
+or removing one document changes the step's sum by at most C, however many sequences it has.
+With Poisson sampling over documents the accountant's subsampled Gaussian is exactly the
+mechanism for add-or-remove-one-document neighbours (derivation: docs/INTERNALS.md).
 
-    L_doc(params) = sum over real slots k of loss_fn(params, sequence_k, fold_in(rng, k)),
-
-whose gradient is the sum of the document's per-sequence gradients. Handed to the clipped
-sum (`clipping.clipped_grad_sum` or the ghost path, unchanged), each *document's* summed
-gradient is clipped to norm C as a whole (not each sequence), so adding or removing one
-document changes the step's sum by at most C, however many sequences it has and however large
-their gradients. With Poisson sampling over documents at rate q = B / N documents, noise
-N(0, (sigma C)^2) and division by the expected number of documents B, the accountant's
-Poisson-subsampled Gaussian is then exactly the mechanism for add-or-remove-one-document
-neighbours (as jax_privacy's user-level sampling with user-level clipping).
-
-Guarantees: unused slots contribute exactly 0 to the loss (and so to the gradient), whatever
-their content; slot k of a document gets the key fold_in(document key, k), so results do not
-depend on micro-batch size or devices.
+Guarantees: unused slots contribute exactly 0 to the loss and gradient, whatever their content;
+slot k of a document gets the key fold_in(document key, k), so results do not depend on
+micro-batch size or devices.
 """
 
 from __future__ import annotations

@@ -3,10 +3,10 @@
 Two kinds of canaries: `input` (black box: random sequences join the recipe's training set with
 probability 1/2, the recipe is trained as usual on an audit token store, and each canary is scored
 by its pseudo-log-likelihood under the final model) and `gradient` (white box: the recipe's privacy
-plan run through the real DP step with Dirac gradient canaries, `dpbert.privacy.canaries`). Two
+plan run through the real DP step with Dirac gradient canaries, `dpbert.privacy.gradient_canaries`). Two
 bounds on the same scores at the stated confidence: Steinke et al.'s and the f-DP bound
 (`dpbert.privacy.audit_fdp`). A gradient audit may switch the noise off (claim: infinity).
-`--card RELEASE` adds the result to a release as an audited figure (`dpbert.release.audited`).
+`--card RELEASE` adds the result to a release as an audited figure (`dpbert.release.audit_figures`).
 
 Guarantees: canaries exist only in OUTPUT_DIR's audit store; the recipe's own store is read, never
 written; canary tokens and coin flips come from the audit's own secret, disjoint from every training
@@ -37,8 +37,8 @@ from dpbert.data.tokenizer import resolve_tokenizer
 from dpbert.model import functional
 from dpbert.model.bert import BertForMaskedLM
 from dpbert.privacy.accounting import PrivacyLedger
-from dpbert.privacy.audit import audit_scores, empirical_figures
-from dpbert.privacy.canaries import (
+from dpbert.privacy.audit_bounds import audit_scores, empirical_figures
+from dpbert.privacy.gradient_canaries import (
     GradientCanaryConfig,
     audit_keys,
     canary_inclusion,
@@ -89,7 +89,7 @@ class AuditReport:
     fdp_k_minus: int | None = None
     # True when the audited run had its noise switched off (claim: epsilon = infinity).
     noise_free: bool = False
-    # Empirical figures of the canary scores (`dpbert.privacy.audit.empirical_figures`): dpbert's ROC
+    # Empirical figures of the canary scores (`dpbert.privacy.audit_bounds.empirical_figures`): dpbert's ROC
     # figures and, next to them, jax-privacy's auditor's. None of them is a privacy guarantee.
     auroc: float | None = None
     tpr_at_fpr: list[dict[str, float]] | None = None

@@ -1,21 +1,14 @@
 """Multi-host runs: `jax.distributed` start-up, per-process data, process-0-only writes.
 
-`initialize(...)` starts JAX's own multi-host runtime. With no arguments it lets JAX detect
-the cluster (Cloud TPU pods, SLURM, Open MPI, ... as `jax.distributed.initialize()` does);
-with `coordinator_address`, `num_processes` and `process_id` it uses those (e.g. two local
-processes on 127.0.0.1). On CPU, cross-process collectives go through gloo.
+`initialize(...)` starts JAX's multi-host runtime (auto-detected, or from an explicit coordinator
+address, process count and id; gloo on CPU). `local_batch` draws the step's Poisson sample (the
+same on every process: it depends only on (run_key, step)) and reads only this process's
+contiguous share of rows; `global_array` assembles the shares into one global `jax.Array`
+without moving data between hosts.
 
-Per-process data: `local_batch` draws the step's Poisson sample (the same on every process:
-it depends only on (run_key, step)) and returns this process's contiguous share of the
-physical batch, reading only those rows from the token store; `global_array` assembles the
-shares into one global `jax.Array` sharded over the mesh's batch axes, without moving data
-between hosts. Because `dpbert.train.mesh.make_mesh` lays devices out process by process,
-process p's share is exactly the rows its devices hold.
-
-Guarantees: the global batch, and hence the update, is the one a single process computes
-for the same step (tested with two processes on CPU); `is_primary()` is true on exactly
-one process, which alone should write metrics, privacy.json and exports (Orbax writes
-checkpoints collectively from every process).
+Guarantees: the global batch, and hence the update, is the one a single process computes for the
+same step (tested with two processes on CPU); `is_primary()` is true on exactly one process, which
+alone writes metrics, privacy.json and exports (Orbax checkpoints are written collectively).
 """
 
 from __future__ import annotations

@@ -564,77 +564,55 @@ def pretrain(
     recipe = load_recipe(recipe_path, overrides)
     run_dir = Path(output_dir)
     ckpt_dir = run_dir / "checkpoints"
-    if not resume and has_checkpoints(ckpt_dir):
-        raise ValueError(
-            f"run folder {run_dir} already holds checkpoints; pass --resume to continue it or choose another --output-dir"
-        )
-    run_dir.mkdir(parents=True, exist_ok=True)
-    if not recipe.privacy.enabled and noise_seed_file is not None:
-        raise ValueError(
-            "--noise-seed-file: the recipe is non-private (privacy.enabled: false); there is no noise to seed"
-        )
+    _check_run_folder(recipe, run_dir, resume=resume, noise_seed_file=noise_seed_file)
 
-    # --- data
+    # --- data (the DP vocabulary is the run's first mechanism: it needs the secret before the data)
     secret = None
-    if recipe.data.tokenizer == "dp":  # the DP vocabulary is the run's first mechanism: it needs the secret now
+    if recipe.data.tokenizer == "dp":
         secret = _shared_secret(ckpt_dir, resume=resume, supplied=noise_seed_file)
         if primary:
             dp_vocabulary_dir(recipe, run_dir, secret, mechanism, resume=resume, log=log)
         distributed.barrier("dpbert pretrain: DP vocabulary ready")
     data = open_data(recipe, run_dir, log)
-    manifest, offsets, n_train = data.manifest, data.offsets, data.n_train
+    manifest = data.manifest
 
-    # --- devices, model and optimizer
+    # --- privacy plan (refuses a schedule that would pass the target epsilon, before anything is
+    # written), from the recipe as written: the device's settings below never change the ledger
     mesh = make_mesh(data=recipe.mesh.data, fsdp=recipe.mesh.fsdp)
-    devices = mesh.devices.size
     config = bert_config(recipe, manifest.vocab_size)
-    vocab_size = config.vocab_size
-    recipe = dataclasses.replace(recipe, model=dataclasses.replace(recipe.model, vocab_size=vocab_size))
-    # --- privacy plan (refuses a schedule that would pass the target epsilon, before anything is written),
-    # from the recipe as written: the device's settings below never change the ledger
+    recipe = dataclasses.replace(recipe, model=dataclasses.replace(recipe.model, vocab_size=config.vocab_size))
     plan = plan_recipe(recipe, data.stored_units)
     written = recipe
-    if recipe.train.tune_for_device and offsets is None:  # document batches keep the recipe's micro-batch
-        settings = device_settings(
-            recipe,
-            config,
-            num_predictions=max_predictions(manifest.seq_len, recipe.data.mask_prob),
-            dataset_size=n_train,
-            physical_batch_sizes=plan.physical_batch_sizes,
-            devices=devices,
-        )
-        recipe = dataclasses.replace(recipe, train=settings.apply(recipe.train))
-        log(settings.describe())
+    recipe = _tuned_for_device(recipe, config, data, plan, mesh.devices.size, log)
     if recipe.privacy.enabled and secret is None:
         secret = _shared_secret(ckpt_dir, resume=resume, supplied=noise_seed_file)
-    token_ids = {
-        "mask_token_id": manifest.mask_id,
-        "special_token_ids": tuple(manifest.special_token_ids),
-        "pad_id": manifest.pad_id,
-    }
+
+    # --- model, optimizer, masking, keys and the DP step
     setup = build_setup(
-        recipe, mesh, config=config, seq_len=manifest.seq_len, token_ids=token_ids, secret=secret, mechanism=mechanism
+        recipe,
+        mesh,
+        config=config,
+        seq_len=manifest.seq_len,
+        token_ids=_token_ids(manifest),
+        secret=secret,
+        mechanism=mechanism,
     )
-    abstract, optimizer = setup.abstract, setup.optimizer
-    graphdef = abstract.graphdef
-    eval_fn = make_eval_fn(graphdef, setup.masker, manifest.mask_id)
     mb = recipe.train.microbatch_size
-    device_batches = tuple(device_batch_size(b, devices, mb) for b in plan.physical_batch_sizes)
+    device_batches = tuple(device_batch_size(b, mesh.devices.size, mb) for b in plan.physical_batch_sizes)
     _log_setup(recipe, plan, mesh, device_batches, log)
 
     # --- state: restored into its shardings, or created in them
-    fingerprints = state_fingerprints(recipe, manifest, n_train)
+    fingerprints = state_fingerprints(recipe, manifest, data.n_train)
     checkpoints = CheckpointStore(ckpt_dir, keep=recipe.train.keep_checkpoints)
-    metrics_path = run_dir / "metrics.jsonl"
     state = restore_or_init(
         checkpoints,
         resume=resume,
-        like=(abstract.params, abstract.opt_state),
-        init=lambda: init_state(recipe, abstract, optimizer),
+        like=(setup.abstract.params, setup.abstract.opt_state),
+        init=lambda: init_state(recipe, setup.abstract, setup.optimizer),
         fingerprints=fingerprints,
         plan=plan,
         total_steps=recipe.total_steps,
-        metrics_paths=(metrics_path,),
+        metrics_paths=(run_dir / "metrics.jsonl",),
         log=log,
     )
     if primary:
@@ -642,7 +620,7 @@ def pretrain(
         if secret is not None:
             write_json(run_dir / RANDOMNESS_FILE, {"source": secret.source})
 
-    # --- loop
+    # --- loop, then the Hugging Face folder and the release
     state, last_eval = _train(
         setup,
         plan,
@@ -652,11 +630,9 @@ def pretrain(
         fingerprints=fingerprints,
         run_dir=run_dir,
         device_batches=device_batches,
-        eval_fn=eval_fn,
+        eval_fn=make_eval_fn(setup.abstract.graphdef, setup.masker, manifest.mask_id),
         progress=progress and primary,
     )
-
-    # --- end of run
     return _finish(
         recipe,
         recipe_path,
@@ -664,13 +640,56 @@ def pretrain(
         plan,
         state,
         run_dir=run_dir,
-        graphdef=abstract.graphdef,
+        graphdef=setup.abstract.graphdef,
         last_eval=last_eval,
         started=started,
         release=release,
         show_fill_mask=show_fill_mask,
         log=log,
     )
+
+
+def _check_run_folder(
+    recipe: Recipe, run_dir: Path, *, resume: bool, noise_seed_file: str | os.PathLike[str] | None
+) -> None:
+    """Refuse, before anything is written, a fresh run over checkpoints and a seed for a non-private run."""
+    if not resume and has_checkpoints(run_dir / "checkpoints"):
+        raise ValueError(
+            f"run folder {run_dir} already holds checkpoints; pass --resume to continue it or choose another --output-dir"
+        )
+    if not recipe.privacy.enabled and noise_seed_file is not None:
+        raise ValueError(
+            "--noise-seed-file: the recipe is non-private (privacy.enabled: false); there is no noise to seed"
+        )
+    run_dir.mkdir(parents=True, exist_ok=True)
+
+
+def _tuned_for_device(
+    recipe: Recipe, config: Any, data: TrainData, plan: Plan, devices: int, log: Callable[[str], None]
+) -> Recipe:
+    """The recipe with `train.tune_for_device`'s micro-batch and dtype applied (document batches keep
+    the recipe's micro-batch). Only memory and speed change: the plan and ledger do not."""
+    if not recipe.train.tune_for_device or data.offsets is not None:
+        return recipe
+    settings = device_settings(
+        recipe,
+        config,
+        num_predictions=max_predictions(data.manifest.seq_len, recipe.data.mask_prob),
+        dataset_size=data.n_train,
+        physical_batch_sizes=plan.physical_batch_sizes,
+        devices=devices,
+    )
+    log(settings.describe())
+    return dataclasses.replace(recipe, train=settings.apply(recipe.train))
+
+
+def _token_ids(manifest: Any) -> dict[str, Any]:
+    """The special token ids the masker needs, from a token store's manifest."""
+    return {
+        "mask_token_id": manifest.mask_id,
+        "special_token_ids": tuple(manifest.special_token_ids),
+        "pad_id": manifest.pad_id,
+    }
 
 
 def _silent(_: str) -> None:

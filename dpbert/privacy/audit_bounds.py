@@ -9,7 +9,7 @@ delta)-DP mechanism, and `epsilon_lower_bound` the largest epsilon it still reje
 Guarantees: with probability at least `confidence` a mechanism that is (epsilon, delta)-DP gives a
 bound <= epsilon; the headline bound is Bonferroni-corrected over a fixed guess grid that depends
 only on m and the confidence (the uncorrected maximum is reported separately). Pure numpy/scipy.
-How tight it can be, and the algorithm: docs/INTERNALS.md ("dpbert.privacy.audit").
+How tight it can be, and the algorithm: docs/INTERNALS.md ("dpbert.privacy.audit_bounds").
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ touches, with a Dirac gradient larger than the clip norm; each joins the dataset
 auditor, who sees every intermediate model, scores each canary by the Neyman-Pearson
 log-likelihood ratio of "in" versus "out" summed over steps.
 
-Guarantees: the bound (`dpbert.privacy.audit`) is a valid lower bound at `confidence` for the run's
+Guarantees: the bound (`dpbert.privacy.audit_bounds`) is a valid lower bound at `confidence` for the run's
 own claim at its delta plus truncation delta; all randomness comes from the audit's secret
 (`audit_keys`), never from anything published. The score's derivation: docs/INTERNALS.md.
 """
@@ -23,7 +23,7 @@ import numpy as np
 import optax
 
 from dpbert.privacy.accounting import PrivacyLedger, calibrate_noise_multiplier, sampling_rate
-from dpbert.privacy.audit import OneRunAudit, audit_scores
+from dpbert.privacy.audit_bounds import OneRunAudit, audit_scores
 from dpbert.privacy.dp_step import make_dp_train_step
 from dpbert.privacy.randomness import RunSecret, mechanism_key, step_key
 from dpbert.privacy.sampling import physical_batch_size, poisson_sample

@@ -1,23 +1,15 @@
 """Audited figures on a release: a `dpbert audit` result added to its privacy.json and model card.
 
-An audited figure is an *empirical lower bound* on epsilon (`dpbert.privacy.audit`), measured on a
-separate, never-released audit run of the release's recipe. It is stored next to the guarantees,
-never in place of one: the guarantee is still the ledger's epsilon, and `dpbert verify` still
-recomputes it. `add_audit` writes
-
-- `privacy.json`: a top-level `audits` list of `AuditedFigure.to_dict()` (one per scope and canary
-  kind; a newer audit of the same scope and kind replaces the older one),
-- `README.md`: the same list as `differential_privacy.audits` in the front matter, and a section
-  "Privacy audit (empirical lower bound, not a guarantee)" (`dpbert.release.card.with_audits`).
+An audited figure is an *empirical lower bound* on epsilon, measured on a separate, never-released
+audit run of the release's recipe, and stored next to the guarantees (`audits` in privacy.json and
+the card's front matter, plus a card section), never in place of one. Layout: docs/INTERNALS.md.
 
 Guarantees: the release folder changes atomically (a hard-linked copy is edited in a temporary
-sibling, verified, then renamed into place; on any error the release is untouched); a release that
-does not verify before, or would not verify after, is refused; an audit is refused for a scope the
-release does not have, for a non-private guarantee (there is no claim to audit), and when the audit
-run's claimed epsilon is not within `EPSILON_RTOL` of the release's (a different privacy plan).
-An input audit trains a second model on the same private data: its figure states the audit run's
-own guarantee and the release's together with it (`AuditedFigure`); the release's stated guarantee
-covers the released weights and does not change (the audit model is never released).
+sibling, verified, then renamed into place); a release that does not verify before, or would not
+verify after, is refused; so is an audit of a scope the release lacks, of a non-private guarantee,
+or of a run whose claimed epsilon differs from the release's by more than `EPSILON_RTOL`. An input
+audit's figure states the audit run's own guarantee and its composition with the release's; the
+release's stated guarantee does not change (the audit model is never released).
 """
 
 from __future__ import annotations
