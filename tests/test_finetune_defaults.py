@@ -69,3 +69,17 @@ def test_a_sweep_composes_every_run_in_one_ledger() -> None:
     assert sweep.noise_multiplier > 1.2 * single.noise_multiplier  # three runs share one budget
     with pytest.raises(ValueError, match="sweep.enabled"):
         FinetuneConfig(dp=False, sweep=SweepConfig(enabled=True))
+
+
+def test_nonprivate_learning_rate_scales_with_the_width_and_epochs_with_n() -> None:
+    lrs = {h: fp.nonprivate_learning_rate(h) for h in (1024, 768, 128, 16)}
+    # BERT-Large's 2e-5 at width 1024, x 1024 / width below it, capped at 1e-3 (width 16 would give 1.28e-3).
+    assert lrs == pytest.approx({1024: 2e-5, 768: 2.6667e-5, 128: 1.6e-4, 16: 1e-3}, rel=1e-4)
+    d = fp.derive_nonprivate_defaults(dataset_size=2_000, hidden_size=128)
+    assert d.epochs == 5.0 and d.learning_rate == pytest.approx(1.6e-4)
+    assert fp.derive_nonprivate_defaults(dataset_size=67_349, hidden_size=1024).epochs == 3.0  # BERT's 3 on SST-2
+    given = fp.derive_nonprivate_defaults(dataset_size=2_000, hidden_size=128, learning_rate=1e-3, epochs=2)
+    assert (given.learning_rate, given.epochs, set(given.reasons.values())) == (1e-3, 2.0, {"given"})
+    assert fp.describe(d) == {"epochs": 5.0, "learning_rate": d.learning_rate, "reasons": d.reasons}
+    with pytest.raises(ValueError, match="hidden_size"):
+        fp.nonprivate_learning_rate(0)

@@ -21,7 +21,7 @@ import os
 from collections.abc import Iterable
 from typing import Any, Literal
 
-from dpbert.config.finetune_defaults import derive_dp_defaults
+from dpbert.config.finetune_defaults import derive_dp_defaults, derive_nonprivate_defaults
 from dpbert.config.plan import MAX_STORE_FACTOR, truncation_overflow_bound
 from dpbert.config.recipe import RecipeError, _check, apply_overrides, parse_section, read_yaml
 from dpbert.model.lora import LoRAConfig
@@ -38,7 +38,8 @@ class OptimConfig:
     """One training mode's hyper-parameters. For DP, `batch_size` is the *expected* batch size
     of Poisson sampling, capped at n // 4 so a small task still gets >= 4 steps per epoch;
     `learning_rate`, `batch_size` and `epochs` may be null in the DP section: derived from n
-    and epsilon (`dpbert.config.finetune_defaults`). `dropout: null` keeps the checkpoint's dropout
+    and epsilon; `learning_rate` and `epochs` may be null in the non-private section: derived
+    from n and the model's width (`dpbert.config.finetune_defaults`). `dropout: null` keeps the checkpoint's dropout
     rates; a number sets the hidden and attention dropout (DP fine-tuning works better without
     dropout, Li et al. 2021)."""
 
@@ -147,7 +148,7 @@ class FinetuneConfig:
     eval_batch_size: int = 128
     microbatch_size: int = 64
     clipping: Literal["auto", "ghost", "vmap"] = "auto"
-    nonprivate: OptimConfig = OptimConfig(trainable="all", learning_rate=2e-5, batch_size=32, epochs=3.0)
+    nonprivate: OptimConfig = OptimConfig(trainable="all", learning_rate=None, batch_size=32, epochs=None)
     private: OptimConfig = OptimConfig(
         trainable="bias",
         learning_rate=None,
@@ -170,9 +171,12 @@ class FinetuneConfig:
         _check(self.eval_batch_size > 0, "eval_batch_size", "a positive integer", self.eval_batch_size)
         _check(self.microbatch_size > 0, "microbatch_size", "a positive integer", self.microbatch_size)
         _check(self.eval_every_epochs >= 1, "eval_every_epochs", "an integer >= 1", self.eval_every_epochs)
-        for field in ("learning_rate", "batch_size", "epochs"):
-            value = getattr(self.nonprivate, field)
-            _check(value is not None, f"nonprivate.{field}", "a positive number (only DP values are derived)", value)
+        _check(
+            self.nonprivate.batch_size is not None,
+            "nonprivate.batch_size",
+            "a positive integer (only the learning rate and epochs are derived)",
+            self.nonprivate.batch_size,
+        )
         _check(
             not self.sweep.enabled or self.dp,
             "sweep.enabled",
@@ -260,6 +264,19 @@ def public_task_size(stored: int, privacy: PrivacyConfig) -> tuple[int, str, int
             "accounted; declare a larger 'privacy.dataset_size' or 'privacy.dataset_size_bound'"
         )
     return n, source, bound
+
+
+def resolve_nonprivate(n: int, hidden_size: int, config: FinetuneConfig) -> tuple[FinetuneConfig, Any]:
+    """(config with a null non-private learning rate and epochs filled in, the `NonPrivateDefaults`
+    used or None when the recipe set both), from n and the model's width."""
+    optim = config.nonprivate
+    if optim.learning_rate is not None and optim.epochs is not None:
+        return config, None
+    derived = derive_nonprivate_defaults(
+        dataset_size=n, hidden_size=hidden_size, learning_rate=optim.learning_rate, epochs=optim.epochs
+    )
+    optim = dataclasses.replace(optim, learning_rate=derived.learning_rate, epochs=derived.epochs)
+    return dataclasses.replace(config, nonprivate=optim), derived
 
 
 def resolve_dp(n: int, config: FinetuneConfig) -> tuple[FinetuneConfig, Any]:

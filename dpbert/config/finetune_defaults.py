@@ -1,4 +1,4 @@
-"""DP fine-tuning defaults derived from the task's size and the privacy budget.
+"""Fine-tuning defaults derived from the task's size, the model's width and the privacy budget.
 
 `derive_dp_defaults(dataset_size=n, epsilon=eps, delta=delta, trainable=...)` returns the expected
 batch size, epochs, clip norm and learning rate `dpbert finetune --dp` uses for every field the
@@ -6,6 +6,9 @@ recipe leaves null, each with the reason it was chosen (printed before training)
 al. 2022, Yu et al. 2022 and Bu et al. 2022: an example budget sets the epochs; the batch is
 `dpbert.privacy.batch_sizes`' recommendation for that budget; clip norm 0.1; the learning rate by
 trained subset, the head's steps `head_lr_multiplier` times larger.
+
+`derive_nonprivate_defaults(dataset_size=n, hidden_size=h)` does the same for non-private
+fine-tuning of every parameter: the learning rate from the model's width, the epochs from n.
 
 Guarantees: nothing here reads the private data except its size n (public, as in every DP run).
 The reasons in full: docs/INTERNALS.md; the measurements: docs/RESULTS.md ("Design measurements").
@@ -25,6 +28,10 @@ MAX_EPOCHS = 40
 MIN_STEPS = 30  # below this the optimizer, not the noise, limits the run (planner's finding)
 DEFAULT_CLIP_NORM = 0.1
 LEARNING_RATES = {"all": 5e-4, "bias": 1e-2, "lora": 1e-2, "head": 1e-2}
+# Non-private, all parameters: BERT-Large's fine-tuning rate (Devlin et al. 2019), scaled as 1/width
+# for narrower models (Adam's per-coordinate step moves a width-h layer's output ~h times one step).
+REFERENCE_WIDTH, REFERENCE_LEARNING_RATE = 1024, 2e-5
+MAX_NONPRIVATE_LEARNING_RATE = 1e-3
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -114,9 +121,53 @@ def derive_dp_defaults(
     )  # fmt: skip
 
 
-def describe(defaults: DerivedDefaults) -> dict[str, Any]:
-    """JSON-ready record of the derivation (stored in metrics.json)."""
-    return {
-        "expected_batch_size": defaults.expected_batch_size, "epochs": defaults.epochs, "steps": defaults.steps,
-        "clip_norm": defaults.clip_norm, "learning_rate": defaults.learning_rate, "reasons": dict(defaults.reasons),
-    }  # fmt: skip
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class NonPrivateDefaults:
+    """Non-private hyper-parameters for one (n, model width), with a reason each."""
+
+    dataset_size: int
+    hidden_size: int
+    epochs: float
+    learning_rate: float
+    reasons: dict[str, str]
+
+    def lines(self) -> list[str]:
+        """One printed line per derived value: `name = value  (reason)`."""
+        return [f"{name} = {getattr(self, name):g}  ({self.reasons[name]})" for name in ("learning_rate", "epochs")]
+
+
+def nonprivate_learning_rate(hidden_size: int) -> float:
+    """REFERENCE_LEARNING_RATE * REFERENCE_WIDTH / hidden_size, at most MAX_NONPRIVATE_LEARNING_RATE."""
+    if hidden_size < 1:
+        raise ValueError(f"hidden_size must be >= 1, got {hidden_size!r}")
+    return min(MAX_NONPRIVATE_LEARNING_RATE, REFERENCE_LEARNING_RATE * REFERENCE_WIDTH / hidden_size)
+
+
+def derive_nonprivate_defaults(
+    *, dataset_size: int, hidden_size: int, learning_rate: float | None = None, epochs: float | None = None
+) -> NonPrivateDefaults:
+    """Defaults for non-private fine-tuning of all parameters of a width-`hidden_size` model on n
+    examples; a given `learning_rate` or `epochs` is kept (reason "given")."""
+    lr_reason = (
+        f"{REFERENCE_LEARNING_RATE:g} (BERT-Large's, width {REFERENCE_WIDTH}) x {REFERENCE_WIDTH} / width "
+        f"{hidden_size}, at most {MAX_NONPRIVATE_LEARNING_RATE:g}: a narrow model trained from scratch needs larger steps"
+    )
+    epochs_reason = (
+        f"ceil({EXAMPLE_BUDGET:,} examples / n = {dataset_size:,}) clamped to [{MIN_EPOCHS}, {MAX_EPOCHS}]: "
+        "BERT's 3 epochs on large tasks, more passes on small ones"
+    )
+    return NonPrivateDefaults(
+        dataset_size=dataset_size, hidden_size=hidden_size,
+        epochs=default_epochs(dataset_size) if epochs is None else float(epochs),
+        learning_rate=nonprivate_learning_rate(hidden_size) if learning_rate is None else float(learning_rate),
+        reasons={"learning_rate": "given" if learning_rate is not None else lr_reason,
+                 "epochs": "given" if epochs is not None else epochs_reason},
+    )  # fmt: skip
+
+
+def describe(defaults: DerivedDefaults | NonPrivateDefaults) -> dict[str, Any]:
+    """JSON-ready record of the derivation (stored in metrics.json): the derived values and reasons."""
+    record = dataclasses.asdict(defaults)
+    for given in ("dataset_size", "hidden_size", "epsilon", "delta", "trainable"):
+        record.pop(given, None)
+    return record

@@ -177,8 +177,7 @@ def _kernels_transposed(a: jax.Array, g: jax.Array) -> bool:
 def _per_example_kernels(a: jax.Array, g: jax.Array) -> jax.Array:
     """Per-example kernel gradients a_i^T g_i, laid out [M, d_in, d_out], or [M, d_out, d_in]
     when d_in > d_out: XLA CPU computes the batched product with the larger dimension last
-    faster (BERT tiny's FFN output, 512 -> 128, M = 4, with norm and weighted sum: 0.83 -> 0.60
-    ms; the whole ghost sum of a tiny BERT batch of 64: 400 -> 358 ms)."""
+    faster (docs/RESULTS.md, "Design measurements")."""
     return _einsum("mti,mto->moi" if _kernels_transposed(a, g) else "mti,mto->mio", a, g)
 
 

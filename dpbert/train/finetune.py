@@ -40,6 +40,7 @@ from dpbert.config.finetune import (
     OptimConfig,
     plan_dp,
     resolve_dp,
+    resolve_nonprivate,
 )
 from dpbert.config.finetune_defaults import describe as describe_derived
 from dpbert.config.plan import Plan
@@ -370,14 +371,17 @@ def finetune(
     train = encoded["train"]
     n = len(train["labels"])
 
-    derived = None
     if config.dp:
         config, derived = resolve_dp(n, config)
-        if derived is not None:
-            log(f"[{task.name}] DP hyper-parameters derived from n={n} and epsilon={config.privacy.epsilon:g} "
-                "(set them in the recipe to override):")  # fmt: skip
-            for line in derived.lines():
-                log(f"[{task.name}]   {line}")
+        source_of = f"n={n} and epsilon={config.privacy.epsilon:g}"
+    else:
+        config, derived = resolve_nonprivate(n, net.config.hidden_size, config)
+        source_of = f"n={n} and the model's width {net.config.hidden_size}"
+    if derived is not None:
+        log(f"[{task.name}] {'DP' if config.dp else 'non-private'} hyper-parameters derived from {source_of} "
+            "(set them in the recipe to override):")  # fmt: skip
+        for line in derived.lines():
+            log(f"[{task.name}]   {line}")
     optim = config.optim
 
     if optim.trainable == "lora":

@@ -139,8 +139,8 @@ def make_eval_fn(
     Masks with the fixed eval key, so every run and every call scores the same masks.
 
     Every selected position is shown as [MASK], as fill-mask shows it: training's 10% of selected
-    tokens left unchanged would otherwise score a model that copies its input (a 2-layer model
-    learns that first: 14.9% at 30% masking where [MASK] positions alone gave the unigram's 7%)."""
+    tokens left unchanged would otherwise score a model that copies its input, which a small
+    model learns first (docs/RESULTS.md, "Design measurements")."""
     eval_key = jax.random.key(EVAL_MASK_KEY_SEED)
 
     @jax.jit

