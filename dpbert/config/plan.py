@@ -145,7 +145,15 @@ def plan_recipe(recipe: Recipe, stored_units: int | None = None) -> Plan:
     """The privacy plan of a run of `recipe` on a store of `stored_units` units: the one builder
     that `pretrain`, `account`, `verify` and the audit call, so that they agree field by field.
     With a declared `privacy.dataset_size`, `stored_units` may be None (the plan does not depend
-    on the data)."""
+    on the data).
+
+    Args:
+      recipe: the validated recipe (its schedule, privacy section and model).
+      stored_units: how many units (sequences or documents) the token store holds.
+    Returns:
+      `Plan`: the schedule with each stage's noise multiplier, the ledger (None for a non-private
+      recipe) and the physical batch sizes; a schedule that would pass the target is refused.
+    """
     size = public_dataset_size(recipe, stored_units)
     return make_plan(
         recipe,

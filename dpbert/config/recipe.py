@@ -545,7 +545,14 @@ def load_recipe_dict(raw: Mapping[str, Any], overrides: Iterable[str] = ()) -> R
 
 
 def load_recipe(path: str | os.PathLike[str], overrides: Iterable[str] = ()) -> Recipe:
-    """Read a YAML recipe file, apply overrides, validate. Errors name the file and field."""
+    """Read a YAML recipe file, apply overrides, validate. Errors name the file and field.
+
+    Args:
+      path: the recipe's YAML file.
+      overrides: `KEY=VALUE` strings (`--set`), values parsed as YAML, applied before validation.
+    Returns:
+      The frozen `Recipe`; a `ValueError` names the file and the dotted field otherwise.
+    """
     try:
         return load_recipe_dict(read_yaml(path), overrides)
     except RecipeError as err:

@@ -155,8 +155,14 @@ def clipped_grad_sum(
 ) -> tuple[Any, ClipStats]:
     """Sum over real examples of clip(grad loss_fn(params, example, key_i), clip_norm).
 
-    `batch` is a pytree of arrays with leading dimension P (a multiple of microbatch_size);
-    `is_padding` is bool [P]. Returns (float32 pytree shaped like params, ClipStats).
+    Args:
+      loss_fn: loss_fn(params, example, key) of one example; params: the trained pytree.
+      batch: a pytree of arrays with leading dimension P (a multiple of microbatch_size).
+      is_padding: bool [P], True for rows that contribute nothing.
+      rng: the step's key; example i gets fold_in(rng, position_offset + i).
+      clip_norm: C; microbatch_size: examples per vectorized slice (memory only).
+    Returns:
+      (float32 pytree shaped like params, ClipStats); the sum has sensitivity C.
     """
     if not clip_norm > 0:
         raise ValueError(f"clip_norm must be > 0, got {clip_norm!r}")

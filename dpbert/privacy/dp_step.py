@@ -208,7 +208,15 @@ def dp_update(
 ) -> tuple[Any, Any, Any]:
     """What a DP step does once per step, after the clipped sum: Gaussian noise N(0, (sigma C)^2)
     on the global `clipped_sum` from `noise_key(step_key)`, division by the public expected batch
-    size, then the optimizer update. Returns (params, opt_state, noisy gradient)."""
+    size, then the optimizer update.
+
+    Args:
+      optimizer: the update rule (post-processing of the noisy gradient).
+      clipped_sum: the global clipped gradient sum; opt_state, params: the current state.
+      step_key: the step's mechanism key; clip_norm, noise_multiplier, expected_batch_size: C,
+        sigma and the public B of the step's stage.
+    Returns:
+      (params, opt_state, noisy gradient)."""
     grads = privatize(
         clipped_sum,
         noise_key(step_key),
@@ -314,7 +322,14 @@ def make_train_step(
     """The non-private step with the DP step's signature: the plain gradient of the mean loss
     over the real (non-padding) examples, i.e. divided by the realized batch size, not the
     expected one. No per-example gradients; one batched pass when microbatch_size is the
-    physical batch, gradient accumulation over micro-batches otherwise."""
+    physical batch, gradient accumulation over micro-batches otherwise.
+
+    Args:
+      loss_fn: the per-example loss; optimizer: the update rule; microbatch_size, mesh,
+        data_axis, donate, state_shardings: as for `make_dp_train_step`.
+    Returns:
+      A jitted `StepFn` (params, opt_state, batch, is_padding, step_key) -> (params, opt_state,
+      metrics), interchangeable with the DP step."""
     if isinstance(microbatch_size, bool) or not isinstance(microbatch_size, int) or microbatch_size < 1:
         raise ValueError(f"microbatch_size must be an integer >= 1, got {microbatch_size!r}")
 

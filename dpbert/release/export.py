@@ -426,6 +426,13 @@ def export_run(
     private corpus (card model-index, evaluation table, privacy.json `evaluation`), and the card's
     privacy section then says they are not covered by the guarantee; by default they stay in the run
     folder. Figures on a public evaluation corpus are always released.
+
+    Args:
+      run_dir: the finished run folder; out: the release folder (refused if it exists, unless
+        `overwrite`); tokenizer, store: where the vocabulary comes from when RUN_DIR/hf has none;
+      repo_id: the Hub id the card names.
+    Returns:
+      `out`, written whole (temporary sibling, then rename) and verified.
     """
     run_dir = Path(run_dir)
     hf_dir = run_dir / "hf"

@@ -355,7 +355,15 @@ def finetune(
     domain-separated as "finetune/<task>" (a sweep's run i: "finetune/<task>/sweep/<i>"): never
     from the published `config.seed`. A DP run checkpoints in OUT/checkpoints/run-<i>/ (the
     training engine's guarantees); `resume` continues it with the same secret and replays exactly
-    the steps the uninterrupted run takes."""
+    the steps the uninterrupted run takes.
+
+    Args:
+      task: a GLUE task name or spec; model: a BERT folder or Hub id; output_dir: OUT;
+      data: the task's folder or Hub dataset; config: the recipe (null fields are derived and
+        printed); log: where lines go; noise_seed_file: an auditor's secret instead of the OS draw.
+    Returns:
+      What OUT/metrics.json holds: dev figures, the trained subset, steps, the privacy summary,
+      the derived defaults and the release folder."""
     task = task if isinstance(task, glue.GlueTask) else glue.get_task(task)
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)

@@ -420,6 +420,9 @@ def build_setup(
       token_ids: `mask_token_id`, `special_token_ids` and `pad_id` of the vocabulary.
       secret: the run's secret (private runs; None for a non-private run, whose keys come from
         `train.seed`); `mechanism` names the purpose the keys are derived for.
+    Returns:
+      `Setup`: the abstract state and its shardings, the optimizer, the masker, the keys, the loss,
+      and `stage_step` to build each stage's jitted step.
     """
     optimizer = make_optimizer(recipe)
     abstract = abstract_state(recipe, config, optimizer, mesh)
