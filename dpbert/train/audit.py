@@ -7,6 +7,7 @@ plan run through the real DP step with Dirac gradient canaries, `dpbert.privacy.
 bounds on the same scores at the stated confidence: Steinke et al.'s and the f-DP bound
 (`dpbert.privacy.audit_fdp`). A gradient audit may switch the noise off (claim: infinity).
 `--card RELEASE` adds the result to a release as an audited figure (`dpbert.release.audit_figures`).
+`--kind exposure` (memorization of planted secrets, not a bound) is `dpbert.train.exposure_audit`.
 
 Guarantees: canaries exist only in OUTPUT_DIR's audit store; the recipe's own store is read, never
 written; canary tokens and coin flips come from the audit's own secret, disjoint from every training
