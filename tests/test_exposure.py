@@ -258,7 +258,7 @@ def test_exposure_audit_end_to_end_and_on_a_release_that_still_verifies(tmp_path
     assert "## Memorization: exposure of planted secrets (measurement, not a guarantee)" in card
     row = report["summary"][2]
     assert f"| 8 | 2 | {row['mean_dp']:.2f} | {row['max_dp']:.2f} | {row['mean_nonprivate']:.2f} |" in card
-    assert "spent unbounded privacy (epsilon infinity)" in card
+    assert "twin spent unbounded privacy (epsilon infinity) on the same data" in " ".join(card.split())
     result = verify_folder(release)
     assert result.ok, result.summary()
 
