@@ -246,6 +246,11 @@ def _add_finetune(sub: argparse._SubParsersAction) -> None:
 
 def _audit(args: argparse.Namespace) -> int:
     """`dpbert audit`: run the audit, print its table (or JSON), add it to a release's card."""
+    if args.kind == "exposure":
+        return _exposure_audit(args)
+    for flag, value in (("--secrets", args.secrets), ("--repetitions", args.repetitions)):
+        if value is not None:
+            raise ValueError(f"{flag}: only meaningful with --kind exposure (got --kind {args.kind})")
 
     from dpbert.train.audit import format_table, run_audit  # deferred: per subcommand, see the module docstring
 
@@ -271,6 +276,41 @@ def _audit(args: argparse.Namespace) -> int:
                 f"{args.card}/privacy.json and README.md; the release with this audit's result is "
                 f"({figure.epsilon_with_audit:.4g}, {figure.delta_with_audit:.3g})-DP"
                 + (" (the audit run trained on the private data)" if figure.private_data_used else "")
+            )
+    return 0
+
+
+def _exposure_audit(args: argparse.Namespace) -> int:
+    """`dpbert audit --kind exposure`: secrets planted, the recipe and its non-private twin trained, exposures."""
+    if args.canaries is not None:
+        raise ValueError("--canaries: not used by --kind exposure (its secrets are set by --secrets and --repetitions)")
+    from dpbert.train.exposure_audit import (  # deferred: per subcommand, see the module docstring
+        DEFAULT_REPETITIONS,
+        DEFAULT_SECRETS,
+        format_table,
+        run_exposure_audit,
+    )
+
+    report = run_exposure_audit(
+        args.recipe,
+        args.output_dir,
+        repetitions=DEFAULT_REPETITIONS if args.repetitions is None else args.repetitions,
+        secrets_per_count=DEFAULT_SECRETS if args.secrets is None else args.secrets,
+        overrides=args.set or (),
+        progress=not args.json,
+        log=(lambda s: None) if args.json else print,
+        noise_seed_file=args.noise_seed_file,
+    )
+    print(json.dumps(report.to_dict(), indent=2, sort_keys=True) if args.json else format_table(report))
+    if args.card:
+        from dpbert.release.audit_figures import add_exposure  # deferred: per subcommand, see the module docstring
+
+        add_exposure(args.card, report.to_dict())
+        if not args.json:
+            print(
+                f"exposure table (measurement, not a guarantee) added to {args.card}/privacy.json and README.md; "
+                "the release's stated guarantee is unchanged and does not cover the table (the non-private twin "
+                "trained on the same data)"
             )
     return 0
 
@@ -684,7 +724,10 @@ def _add_audit(sub: argparse._SubParsersAction) -> None:
         "the canaries' membership can be guessed into lower bounds on epsilon (Steinke, Nasr, Jagielski 2023; and the "
         "f-DP bound of Mahloujifar, Melis, Chaudhuri 2025). Writes OUTPUT_DIR/audit.json; the audit run is marked and "
         "never released, so a gradient audit also accepts a run with the noise switched off "
-        "(--set privacy.target_epsilon=null --set privacy.noise_multiplier=0; claim: epsilon = infinity).",
+        "(--set privacy.target_epsilon=null --set privacy.noise_multiplier=0; claim: epsilon = infinity). "
+        "--kind exposure instead plants secrets 'my id is d d d d d d' (each --repetitions times, plus never-planted "
+        "controls), trains the recipe and its non-private twin on them, and reports each secret's exposure under "
+        "both models (Carlini et al. 2019): a memorization measurement, not a guarantee.",
     )
     p.add_argument("recipe", metavar="RECIPE", help="recipe YAML file (see recipes/); must be private")
     p.add_argument("--output-dir", required=True, metavar="DIR", help="audit folder (audit.json, run/, store/)")
@@ -697,9 +740,24 @@ def _add_audit(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--kind",
-        choices=["input", "gradient"],
+        choices=["input", "gradient", "exposure"],
         default="input",
-        help="input: random sequences, black box (default); gradient: Dirac gradients in the DP step",
+        help="input: random sequences, black box (default); gradient: Dirac gradients in the DP step; exposure: "
+        "planted secrets 'my id is d d d d d d', their exposure under the DP model and its non-private twin "
+        "(a memorization measurement, Carlini et al. 2019)",
+    )
+    p.add_argument(
+        "--secrets",
+        type=int,
+        default=None,
+        metavar="S",
+        help="--kind exposure: secrets per repetition count, and as many never planted (default 10)",
+    )
+    p.add_argument(
+        "--repetitions",
+        default=None,
+        metavar="R1,R2,...",
+        help="--kind exposure: how many times each group of secrets is planted (default 1,4,16; 0 is added as control)",
     )
     p.add_argument("--confidence", type=float, default=0.95, help="confidence of the lower bound (default 0.95)")
     p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a recipe field (repeatable)")
@@ -709,7 +767,8 @@ def _add_audit(sub: argparse._SubParsersAction) -> None:
         "--card",
         metavar="RELEASE_DIR",
         help="also add the result to this release's privacy.json and model card (an audited figure: "
-        "an empirical lower bound, not a guarantee)",
+        "an empirical lower bound, not a guarantee; with --kind exposure, the exposure table: a measurement, "
+        "not a guarantee)",
     )
 
     def run(args: argparse.Namespace) -> int:

@@ -44,6 +44,7 @@ TEMPLATES = (
     "_claim_glue.md.j2",
     "_privacy_glue.md.j2",
     "audit_section.md.j2",
+    "exposure_section.md.j2",
     "_guarantee.md.j2",
     "_public.md.j2",
     "_diagnostics.md.j2",

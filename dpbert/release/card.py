@@ -3,7 +3,7 @@
 The front matter is built here as data (always valid YAML that `huggingface_hub.ModelCard.load`
 parses); the body's guarantee sections sit between `<!-- dpbert:begin NAME -->` markers and are
 re-rendered by `dpbert verify`; `with_audits` adds audited figures in a section labelled an
-empirical lower bound, not a guarantee.
+empirical lower bound, not a guarantee; `with_exposure` a memorization measurement, likewise.
 
 Guarantees: every privacy claim of a card comes from privacy.json through the templates; the DP
 tags appear exactly when every guarantee is private and the vocabulary was not learned from the
@@ -43,6 +43,9 @@ TEMPLATE_PACKAGE = "dpbert.model_cards"
 AUDIT_TEMPLATE = "audit_section.md.j2"
 AUDIT_BEGIN = "<!-- dpbert:audit -->"
 AUDIT_END = "<!-- /dpbert:audit -->"
+EXPOSURE_TEMPLATE = "exposure_section.md.j2"
+EXPOSURE_BEGIN = "<!-- dpbert:exposure -->"
+EXPOSURE_END = "<!-- /dpbert:exposure -->"
 _EVALUATION = re.compile(r"^## Evaluation", re.MULTILINE)
 # The sections of a card that state its guarantee, each the rendering of a partial template from the
 # privacy metadata alone, between markers that name the partial: `dpbert verify` renders them again
@@ -384,6 +387,7 @@ def _environment() -> Any:
     env.filters["noise_text"] = noise_text
     env.filters["vocabulary_text"] = vocabulary_text
     env.filters["cell"] = _cell
+    env.filters["log2"] = math.log2
     return env
 
 
@@ -417,13 +421,17 @@ def render_audit_section(audits: Sequence[Mapping[str, Any]]) -> str:
     return f"{AUDIT_BEGIN}\n{section.rstrip()}\n{AUDIT_END}\n\n"
 
 
+def render_exposure_section(exposure: Mapping[str, Any]) -> str:
+    """The exposure section between (and with) its markers, as `with_exposure` writes it."""
+    section = _environment().get_template(EXPOSURE_TEMPLATE).render(e=dict(exposure))
+    return f"{EXPOSURE_BEGIN}\n{section.rstrip()}\n{EXPOSURE_END}\n\n"
+
+
 def outside_sections(body: str) -> str:
-    """`body` without its marked guarantee sections and its audit section: the free text of a card."""
-    body = _SECTION.sub("", body)
-    start, end = body.find(AUDIT_BEGIN), body.find(AUDIT_END)
-    if start >= 0 and end > start:
-        body = body[:start] + body[end + len(AUDIT_END) :]
-    return body
+    """`body` without its marked guarantee sections, its audit section and its exposure section: the
+    free text of a card."""
+    body = _without_marked(_SECTION.sub("", body), AUDIT_BEGIN, AUDIT_END)
+    return _without_marked(body, EXPOSURE_BEGIN, EXPOSURE_END)
 
 
 def card_body(card_text: str, *, where: str = CARD_FILE) -> str:
@@ -442,6 +450,26 @@ def with_audits(card_text: str, audits: Sequence[Mapping[str, Any]], *, where: s
     markers, replacing an earlier one, else inserted before `## Evaluation` (else appended). The rest
     of the body is kept as it is. With no audits, both are removed.
     """
+    section = render_audit_section(audits) if audits else None
+    value = [dict(a) for a in audits] if audits else None
+    return _with_marked(card_text, "audits", value, (AUDIT_BEGIN, AUDIT_END), section, where=where)
+
+
+def with_exposure(card_text: str, exposure: Mapping[str, Any] | None, *, where: str = CARD_FILE) -> str:
+    """`card_text` with its exposure measurement replaced by `exposure` (`ExposureMeasurement.to_dict()`),
+    as `with_audits` does: `differential_privacy.exposure` in the front matter and the section of
+    `exposure_section.md.j2` between `EXPOSURE_BEGIN`/`EXPOSURE_END`; None removes both."""
+    section = render_exposure_section(exposure) if exposure else None
+    value = dict(exposure) if exposure else None
+    return _with_marked(card_text, "exposure", value, (EXPOSURE_BEGIN, EXPOSURE_END), section, where=where)
+
+
+def _with_marked(
+    card_text: str, key: str, value: Any, markers: tuple[str, str], section: str | None, *, where: str
+) -> str:
+    """`card_text` with front-matter `differential_privacy.<key>` set to `value` (removed when None) and
+    the body's section between `markers` replaced by `section` (removed when None; a new one goes
+    before `## Evaluation`, else at the end)."""
     match = _FRONT_MATTER.match(card_text)
     if match is None:
         raise ValueError(f"{where}: no YAML front matter (expected the card to start with '---')")
@@ -449,20 +477,24 @@ def with_audits(card_text: str, audits: Sequence[Mapping[str, Any]], *, where: s
     block = data.get("differential_privacy") if isinstance(data, dict) else None
     if not isinstance(block, dict):
         raise ValueError(f"{where}: front matter has no 'differential_privacy' mapping to add the audit to")
-    if audits:
-        block["audits"] = [dict(a) for a in audits]
+    if value is not None:
+        block[key] = value
     else:
-        block.pop("audits", None)
+        block.pop(key, None)
     matter = yaml.safe_dump(data, sort_keys=False, allow_unicode=True)
-    body = card_text[match.end() :]
-    start, end = body.find(AUDIT_BEGIN), body.find(AUDIT_END)
-    if start >= 0 and end > start:
-        body = body[:start] + body[end + len(AUDIT_END) :].lstrip("\n")
-    if audits:
-        section = render_audit_section(audits)
+    body = _without_marked(card_text[match.end() :], *markers, strip=True)
+    if section is not None:
         at = _EVALUATION.search(body)
         body = body[: at.start()] + section + body[at.start() :] if at else body.rstrip("\n") + "\n\n" + section
     return f"---\n{matter}---\n{body}"
+
+
+def _without_marked(body: str, begin: str, end: str, *, strip: bool = False) -> str:
+    start, stop = body.find(begin), body.find(end)
+    if start >= 0 and stop > start:
+        rest = body[stop + len(end) :]
+        body = body[:start] + (rest.lstrip("\n") if strip else rest)
+    return body
 
 
 def read_front_matter(card_path: Path) -> dict[str, Any]:

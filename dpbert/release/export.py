@@ -49,6 +49,8 @@ from dpbert.release.metadata import (
 _WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
 # Files a release writes itself; never copied from the model folder.
 _RELEASE_FILES = (CARD_FILE, PRIVACY_FILE)
+# Written by `dpbert audit` into its training runs before their first step: such a run is never exported.
+AUDIT_RUN_FILE = "AUDIT_RUN.json"
 RANDOMNESS_FILE = "randomness.json"  # RUN_DIR/randomness.json: {"source": "os-csprng" | "supplied-file"}
 # Figures of an eval record computed with the private *training* data whatever the eval corpus: the
 # unigram baseline predicts the most frequent training token.
@@ -435,6 +437,10 @@ def export_run(
       `out`, written whole (temporary sibling, then rename) and verified.
     """
     run_dir = Path(run_dir)
+    if (run_dir / AUDIT_RUN_FILE).is_file():
+        raise ValueError(
+            f"{run_dir / AUDIT_RUN_FILE}: {run_dir} is an audit run (`dpbert audit`); audit models are never released"
+        )
     hf_dir = run_dir / "hf"
     if not (hf_dir / "config.json").is_file():
         raise FileNotFoundError(

@@ -3,7 +3,8 @@
 A release carries one guarantee per dataset it was trained on ("pretraining", "fine-tuning (TASK)"),
 each with the full privacy ledger of the run (anyone can recompute epsilon from it), where its
 randomness came from, how exact its Gaussian noise is, and what its unit means (public figures
-only). `AuditedFigure` states an audit beside a guarantee, with what the audit spent.
+only). `AuditedFigure` states an audit beside a guarantee, with what the audit spent;
+`ExposureMeasurement` a memorization measurement (planted secrets), labelled not a guarantee.
 
 Guarantees: no count of the private data and no path of the building machine is ever part of a
 release (`local_paths`, `redact_paths`); a vocabulary's origin is recorded, never assumed; data-
@@ -29,6 +30,7 @@ from typing import Any
 import dpbert
 from dpbert.privacy import accounting, noise
 from dpbert.privacy.accounting import PrivacyLedger
+from dpbert.privacy.exposure import exposure_summary
 
 FORMAT = "dpbert-privacy/1"
 PRIVACY_FILE = "privacy.json"
@@ -873,3 +875,127 @@ def audit_problems(audits: Any, guarantees: Sequence[Guarantee], where: str, rto
             if not math.isclose(stated, actual, rel_tol=rtol):
                 problems.append(f"{field}: {name} {stated!r} but the '{figure.scope}' guarantee states {actual!r}")
     return problems
+
+
+EXPOSURE_KEY = "exposure"
+EXPOSURE_MEANING = "measurement, not a guarantee"
+EXPOSURE_METHOD = "exposure of planted secrets (Carlini et al. 2019), exact rank among all candidates"
+EXPOSURE_SPENT = (
+    "both audit runs trained on the private data: the DP run spent its own (epsilon, delta); the non-private "
+    "twin spent unbounded privacy (epsilon infinity); neither model is released, and a release's stated "
+    "guarantee does not cover this measurement"
+)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ExposureMeasurement:
+    """A `dpbert audit --kind exposure` result as a release states it (`exposure` in privacy.json and
+    the card's front matter): per secret its repetitions and exposure under the DP audit run and its
+    non-private twin, and per repetition count their mean and max (`summary`, which must equal the
+    per-secret values summarized again). `epsilon_audit_run`/`delta_audit_run`: the DP audit run's
+    own guarantee; `epsilon_release`/`delta_release`: the release guarantee of `scope`, unchanged.
+    Construction refuses exposures outside [0, log2(num_candidates)] and a summary that does not add up.
+    """
+
+    scope: str
+    recipe: str
+    date: str
+    prefix: str
+    num_candidates: int
+    repetitions: list[int]
+    steps: int
+    steps_nonprivate: int
+    epsilon_audit_run: float
+    delta_audit_run: float
+    epsilon_release: float
+    delta_release: float
+    secrets: list[dict[str, Any]]
+    summary: list[dict[str, Any]]
+    ties: str
+    privacy_spent: str = EXPOSURE_SPENT
+    method: str = EXPOSURE_METHOD
+    meaning: str = EXPOSURE_MEANING
+
+    def __post_init__(self) -> None:
+        for name in ("num_candidates", "steps", "steps_nonprivate"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name}: expected a positive integer, got {v!r}")
+        for name in ("epsilon_audit_run", "epsilon_release"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int | float) or not 0 <= v < math.inf:
+                raise ValueError(f"{name}: expected a finite number >= 0, got {v!r}")
+        for name in ("delta_audit_run", "delta_release"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int | float) or not 0 < v < 1:
+                raise ValueError(f"{name}: expected a probability in (0, 1), got {v!r}")
+        reps = self.repetitions
+        if (
+            not isinstance(reps, list)
+            or not reps
+            or any(isinstance(r, bool) or not isinstance(r, int) or r < 0 for r in reps)
+            or reps != sorted(set(reps))
+            or reps[0] != 0
+        ):
+            raise ValueError(
+                f"repetitions: expected distinct increasing integers starting at 0 (control), got {reps!r}"
+            )
+        if not self.date:
+            raise ValueError("date: expected the audit's UTC time (ISO 8601), got an empty string")
+        if local_paths(self.recipe):
+            raise ValueError(f"recipe: {self.recipe!r} holds a local path (a release publishes none)")
+        top = math.log2(self.num_candidates)
+        if not isinstance(self.secrets, list):
+            raise ValueError(f"secrets: expected a list, got {type(self.secrets).__name__}")
+        for i, s in enumerate(self.secrets):
+            if not isinstance(s, Mapping) or set(s) != {"repetitions", "exposure_dp", "exposure_nonprivate"}:
+                raise ValueError(f"secrets[{i}]: expected repetitions, exposure_dp and exposure_nonprivate, got {s!r}")
+            if s["repetitions"] not in reps:
+                raise ValueError(f"secrets[{i}].repetitions: {s['repetitions']!r} is not one of {reps}")
+            for key in ("exposure_dp", "exposure_nonprivate"):
+                v = s[key]
+                if isinstance(v, bool) or not isinstance(v, int | float) or not -1e-9 <= v <= top + 1e-9:
+                    raise ValueError(f"secrets[{i}].{key}: expected an exposure in [0, {top:.4g}] bits, got {v!r}")
+        expected = exposure_summary(self.secrets, reps)
+        if not isinstance(self.summary, list) or len(self.summary) != len(expected):
+            raise ValueError(f"summary: expected one row per repetition count {reps}")
+        for row, want in zip(self.summary, expected, strict=True):
+            if not isinstance(row, Mapping) or set(row) != set(want):
+                raise ValueError(f"summary: expected rows with {sorted(want)}, got {row!r}")
+            for key, value in want.items():
+                if not _same_number(row[key], value):
+                    raise ValueError(
+                        f"summary (repetitions {want['repetitions']}): {key} {row[key]!r} but the secrets give {value!r}"
+                    )
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _same_number(a: Any, b: float) -> bool:
+    return not isinstance(a, bool) and isinstance(a, int | float) and math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-12)
+
+
+def exposure_problems(entry: Any, guarantees: Sequence[Guarantee], where: str, rtol: float) -> list[str]:
+    """What is wrong with the `exposure` entry of a privacy.json, given its (recomputed) guarantees: it
+    must parse as an `ExposureMeasurement` and state its scope's release epsilon and delta."""
+    if entry is None:
+        return []
+    field = f"{where}: {EXPOSURE_KEY}"
+    if not isinstance(entry, Mapping):
+        return [f"{field}: expected an exposure measurement, got {type(entry).__name__}"]
+    try:
+        m = ExposureMeasurement(**entry)
+    except (TypeError, ValueError) as err:
+        return [f"{field}: {err}"]
+    g = {g.scope: g for g in guarantees}.get(m.scope)
+    if g is None or not g.private:
+        return [f"{field}: scope {m.scope!r} has no private guarantee"]
+    return [
+        f"{field}: {name} {stated!r} but the '{m.scope}' guarantee states {actual!r}"
+        for name, stated, actual in (
+            ("epsilon_release", m.epsilon_release, g.epsilon),
+            ("delta_release", m.delta_release, g.total_delta),
+        )
+        if not math.isclose(stated, actual, rel_tol=rtol)
+    ]

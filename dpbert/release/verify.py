@@ -2,8 +2,9 @@
 
 `verify_folder` recomputes each epsilon from its ledger, rebuilds each ledger from the published
 recipe, checks the hashes of the weights and tokenizer, the vocabulary's origin, what is declared
-public, the audited figures' composition, and that the card (front matter and marked sections)
-and config.json say exactly what privacy.json says; each failure names its file and field.
+public, the audited figures' composition, the exposure measurement's summary, and that the card
+(front matter and marked sections) and config.json say exactly what privacy.json says; each
+failure names its file and field.
 
 What `verify` cannot prove: that the weights were really produced by this recipe on this data with
 secret noise, or that the declared numbers (N, the bound on stored units, the per-document cap, a
@@ -44,16 +45,20 @@ from dpbert.release.card import (
     AUDIT_END,
     CARD_FILE,
     DP_TAGS,
+    EXPOSURE_BEGIN,
+    EXPOSURE_END,
     GUARANTEE_SECTIONS,
     card_body,
     card_sections,
     outside_sections,
     read_front_matter,
     render_audit_section,
+    render_exposure_section,
     render_section,
 )
 from dpbert.release.metadata import (
     AUDITS_KEY,
+    EXPOSURE_KEY,
     NEVER_RELEASED,
     PRIVACY_FILE,
     PRIVACY_UNIT,
@@ -65,6 +70,7 @@ from dpbert.release.metadata import (
     audit_problems,
     document_group_epsilon,
     epsilon_from_json,
+    exposure_problems,
     guarantees_from_json,
     metadata_from_json,
     noise_record,
@@ -634,9 +640,12 @@ def _tokenizer_problems(folder: Path, privacy_path: str, recorded: Any) -> list[
     return problems
 
 
-def _card_body_problems(card_path: Path, meta: ReleaseMetadata, audits: list[Any]) -> list[str]:
+def _card_body_problems(
+    card_path: Path, meta: ReleaseMetadata, audits: list[Any], exposure: Mapping[str, Any] | None = None
+) -> list[str]:
     """The card's guarantee sections, rendered again from privacy.json by the same templates, must be
-    the card's own, word for word; so must its audit section; and no privacy claim may stand outside them."""
+    the card's own, word for word; so must its audit and exposure sections; and no privacy claim may
+    stand outside them."""
     try:
         body = card_body(card_path.read_text(encoding="utf-8"), where=str(card_path))
     except ValueError as err:
@@ -665,6 +674,15 @@ def _card_body_problems(card_path: Path, meta: ReleaseMetadata, audits: list[Any
             problems.append(f"{card_path}: body: the audit section differs from the audits in {PRIVACY_FILE}")
     elif start >= 0 or end >= 0:
         problems.append(f"{card_path}: body: an audit section, but {PRIVACY_FILE} records no audit")
+    start, end = body.find(EXPOSURE_BEGIN), body.find(EXPOSURE_END)
+    if exposure:
+        written = body[start : end + len(EXPOSURE_END)] + "\n\n" if 0 <= start < end else ""
+        if written != render_exposure_section(exposure):
+            problems.append(
+                f"{card_path}: body: the exposure section differs from the exposure measurement in {PRIVACY_FILE}"
+            )
+    elif start >= 0 or end >= 0:
+        problems.append(f"{card_path}: body: an exposure section, but {PRIVACY_FILE} records no exposure measurement")
     for line in outside_sections(body).splitlines():
         if _CLAIM.search(line):
             problems.append(
@@ -874,6 +892,7 @@ def verify_folder(folder: str | Path, *, rtol: float = DEFAULT_RTOL) -> Verifica
         )
 
     problems += audit_problems(data.get(AUDITS_KEY), guarantees, where, rtol)
+    problems += exposure_problems(data.get(EXPOSURE_KEY), guarantees, where, rtol)
 
     # 8-9: the card and config.json
     if not card_path.is_file():
@@ -895,7 +914,17 @@ def verify_folder(folder: str | Path, *, rtol: float = DEFAULT_RTOL) -> Verifica
             card_audits = (block.get("audits") if isinstance(block, Mapping) else None) or []
             if card_audits != (data.get("audits") or []):
                 problems.append(f"{card_path}: differential_privacy.audits differs from the audits in {privacy_path}")
-            problems += _card_body_problems(card_path, meta, list(data.get("audits") or []))
+            card_exposure = block.get(EXPOSURE_KEY) if isinstance(block, Mapping) else None
+            if card_exposure != data.get(EXPOSURE_KEY):
+                problems.append(
+                    f"{card_path}: differential_privacy.exposure differs from the exposure measurement in {privacy_path}"
+                )
+            # A malformed measurement is reported above; its card section is compared only once it parses.
+            exposure = data.get(EXPOSURE_KEY)
+            parses = isinstance(exposure, Mapping) and not exposure_problems(exposure, guarantees, where, rtol)
+            problems += _card_body_problems(
+                card_path, meta, list(data.get("audits") or []), exposure if parses else None
+            )
             claimed = sorted(set(matter.get("tags") or ()) & set(DP_TAGS))
             if not private and claimed:
                 problems.append(f"{card_path}: a non-private release carries the tags {claimed}")

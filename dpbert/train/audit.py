@@ -7,6 +7,7 @@ plan run through the real DP step with Dirac gradient canaries, `dpbert.privacy.
 bounds on the same scores at the stated confidence: Steinke et al.'s and the f-DP bound
 (`dpbert.privacy.audit_fdp`). A gradient audit may switch the noise off (claim: infinity).
 `--card RELEASE` adds the result to a release as an audited figure (`dpbert.release.audit_figures`).
+`--kind exposure` (memorization of planted secrets, not a bound) is `dpbert.train.exposure_audit`.
 
 Guarantees: canaries exist only in OUTPUT_DIR's audit store; the recipe's own store is read, never
 written; canary tokens and coin flips come from the audit's own secret, disjoint from every training
@@ -46,6 +47,7 @@ from dpbert.privacy.gradient_canaries import (
 )
 from dpbert.privacy.randomness import SECRET_FILE, run_secret
 from dpbert.privacy.schedule import BatchSchedule
+from dpbert.release.export import AUDIT_RUN_FILE
 from dpbert.release.metadata import epsilon_to_json
 from dpbert.train.metrics import MetricsLog
 from dpbert.train.pretrain import pretrain
@@ -181,8 +183,8 @@ def pseudo_log_likelihood(hf_dir: Path, sequences: np.ndarray, *, mask_id: int, 
     return out.reshape(num, positions.size).mean(axis=1)
 
 
-def _base_store(recipe: Recipe, output_dir: Path) -> Path:
-
+def base_store(recipe: Recipe, output_dir: Path) -> Path:
+    """The recipe's token store (its `data.store`, else OUTPUT_DIR/base_store, prepared if needed)."""
     d = recipe.data
     base = Path(d.store) if d.store else output_dir / "base_store"
     prepare_store(
@@ -198,6 +200,53 @@ def _base_store(recipe: Recipe, output_dir: Path) -> Path:
         num_proc=d.num_proc,
     )
     return base
+
+
+def audit_dataset_size(recipe: Recipe, n_train: int, extra_rows: int) -> list[str]:
+    """Overrides that keep the release's public N (so its q and sigma) for an audit run whose store
+    holds `extra_rows` more rows than the recipe's own, widening the bound on stored rows for them."""
+    release_ledger = plan_recipe(recipe, n_train).ledger
+    return [
+        f"privacy.dataset_size={release_ledger.dataset_size}",
+        f"privacy.dataset_size_bound={release_ledger.dataset_size_bound + extra_rows}",
+    ]
+
+
+def train_audit_run(
+    recipe_path: str | os.PathLike[str],
+    run_dir: Path,
+    *,
+    store: Path,
+    kind: str,
+    marker: dict[str, Any],
+    overrides: Iterable[str],
+    progress: bool,
+    log: Callable[[str], None],
+    noise_seed_file: str | os.PathLike[str] | None,
+    mechanism: str | None = None,
+) -> tuple[Any, dict[str, Any] | None]:
+    """(run result, its ledger as written or None for a non-private run): the recipe trained on the
+    audit `store` in `run_dir`, marked AUDIT_RUN.json before the first step (so even an interrupted
+    audit run says what it is), which makes it unreleasable: the trainer writes no `release/` for it
+    and `dpbert export` refuses it; its privacy.json is marked 'audit' too (unreadable as a release
+    ledger). Keys: `mechanism` (default "audit/<kind>/run")."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    write_json(run_dir / AUDIT_RUN_FILE, {"audit": True, "kind": kind, **marker, "store": str(store)})
+    run = pretrain(
+        recipe_path,
+        run_dir,
+        overrides=[*overrides, f"data.store={store}"],
+        progress=progress,
+        log=log,
+        noise_seed_file=noise_seed_file,
+        mechanism=mechanism or f"audit/{kind}/run",
+    )
+    ledger_path = run_dir / "privacy.json"
+    if not ledger_path.is_file():
+        return run, None
+    ledger_dict = json.loads(ledger_path.read_text())
+    write_json(ledger_path, {**ledger_dict, "audit": True})
+    return run, ledger_dict
 
 
 def _figures(scores: np.ndarray, included: np.ndarray, result: Any) -> dict[str, Any]:
@@ -293,7 +342,7 @@ def run_audit(
         )
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
-    base = _base_store(recipe, out)
+    base = base_store(recipe, out)
 
     manifest = read_manifest(base)
     n_train = manifest.num_examples("train")
@@ -349,41 +398,20 @@ def run_audit(
         )
         store = out / "store"
         write_canary_store(base, store, canaries[included])
-        run_dir = out / "run"
-        run_dir.mkdir(parents=True, exist_ok=True)
-        # Marked before the first step, so even an interrupted audit run says what it is.
-        write_json(
-            run_dir / "AUDIT_RUN.json",
-            {
-                "audit": True,
-                "kind": kind,
-                "num_canaries": num_canaries,
-                "num_included": int(included.sum()),
-                "store": str(store),
-            },
-        )
         log(f"audit: {num_canaries} input canaries ({int(included.sum())} appended to the training set in {store})")
-        # The release's public N, q and sigma; the bound on stored rows makes room for the canaries.
-        release_ledger = plan_recipe(recipe, n_train).ledger
-        size = [
-            f"privacy.dataset_size={release_ledger.dataset_size}",
-            f"privacy.dataset_size_bound={release_ledger.dataset_size_bound + num_canaries}",
-        ]
-        run = pretrain(
+        run, ledger_dict = train_audit_run(
             recipe_path,
-            run_dir,
-            overrides=[*overrides, f"data.store={store}", *size],
+            out / "run",
+            store=store,
+            kind=kind,
+            marker={"num_canaries": num_canaries, "num_included": int(included.sum())},
+            overrides=[*overrides, *audit_dataset_size(recipe, n_train, num_canaries)],
             progress=progress,
             log=log,
             noise_seed_file=noise_seed_file,
-            mechanism=f"audit/{kind}/run",
         )
-        # An audit model trained on canaries must not be released: drop the export and make
-        # its ledger unreadable as a release ledger.
-        shutil.rmtree(run_dir / "release", ignore_errors=True)
-        ledger_dict = json.loads((run_dir / "privacy.json").read_text())
+        run_dir = out / "run"
         ledger = PrivacyLedger.from_dict(ledger_dict)
-        write_json(run_dir / "privacy.json", {**ledger_dict, "audit": True})
         scores = pseudo_log_likelihood(run_dir / "hf", canaries, mask_id=manifest.mask_id)
         delta = ledger.delta + ledger.truncation_delta(float(run.epsilon))
         bound = audit_scores(scores, included, delta=min(delta, 1.0), confidence=confidence)

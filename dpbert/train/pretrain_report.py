@@ -15,7 +15,7 @@ from typing import Any
 from dpbert.atomic import replace_dir, write_json
 from dpbert.config.recipe import Recipe
 from dpbert.model.bert import BertForMaskedLM
-from dpbert.release.export import export_run
+from dpbert.release.export import AUDIT_RUN_FILE, export_run
 from dpbert.release.metadata import VOCAB_ORIGIN_FILE
 
 
@@ -65,9 +65,12 @@ def write_hf(
             write_json(tmp / "privacy.json", ledger)
 
 
-def export_release(run_dir: Path, *, private: bool) -> Path:
+def export_release(run_dir: Path, *, private: bool) -> Path | None:
     """RUN_DIR/release, as `dpbert export RUN_DIR` writes it by default: no held-out figure of the
-    private corpus, no diagnostic value (both stay in the run folder)."""
+    private corpus, no diagnostic value (both stay in the run folder). None for an audit's run
+    (marked AUDIT_RUN.json by `dpbert audit`), which is never released."""
+    if (run_dir / AUDIT_RUN_FILE).is_file():
+        return None
     return export_run(run_dir, run_dir / "release", non_private=not private, overwrite=True)
 
 
