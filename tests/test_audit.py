@@ -1,5 +1,6 @@
 """One-run privacy audit (Steinke, Nasr, Jagielski 2023): the bound, and the DP engine audited with it."""
 
+import json
 import math
 
 import numpy as np
@@ -787,20 +788,49 @@ def test_input_audit_runs_on_the_shipped_recipe(tmp_path):
 # ---------------------------------------------------------------- noise switched off: audited, never trained for release
 
 
-def test_pretrain_still_refuses_a_private_recipe_without_noise_and_the_input_audit_says_why(tmp_path, capsys):
+def test_pretrain_still_refuses_a_private_recipe_without_noise_outside_an_audit(tmp_path, capsys):
     from dpbert import cli
+    from dpbert.train.pretrain import pretrain
 
     no_noise = ["--set", "privacy.target_epsilon=null", "--set", "privacy.noise_multiplier=0"]
     assert cli.main(["pretrain", _TINY, "--output-dir", str(tmp_path / "run"), *no_noise]) == 1
     assert "privacy.noise_multiplier" in capsys.readouterr().err
-    assert cli.main(["audit", _TINY, "--output-dir", str(tmp_path / "a"), "--kind", "input", *no_noise]) == 1
-    err = capsys.readouterr().err
-    assert "privacy.noise_multiplier" in err and "--kind gradient only" in err
+    # The trainer's own switch needs the audit marker: such a model is never released.
+    short = ["schedule=[{steps: 2, expected_batch_size: 64}]", "optimizer.warmup_steps=1"]
+    with pytest.raises(ValueError, match=r"noise_free: only an audit's run .*AUDIT_RUN.json"):
+        pretrain(_TINY, tmp_path / "plain", overrides=short, noise_free=True, progress=False, log=lambda _: None)
     # A target with no noise is a contradiction, named as such.
     argv = ["audit", _TINY, "--output-dir", str(tmp_path / "b"), "--kind", "gradient"]
     assert cli.main([*argv, "--set", "privacy.noise_multiplier=0"]) == 1
     assert "privacy.target_epsilon" in capsys.readouterr().err
-    assert not (tmp_path / "run").exists() and not (tmp_path / "a" / "base_store").exists()
+    assert not (tmp_path / "run").exists() and not (tmp_path / "plain" / "checkpoints").exists()
+
+
+@pytest.mark.slow  # a real (tiny) pretraining run of the shipped model: compilation dominates
+def test_input_audit_of_a_noise_free_run_claims_nothing_and_releases_nothing(tmp_path, capsys):
+    from dpbert import cli
+
+    out = tmp_path / "audit"
+    argv = ["audit", _TINY, "--output-dir", str(out), "--kind", "input", "--canaries", "20"]
+    for s in (
+        "privacy.target_epsilon=null",
+        "privacy.noise_multiplier=0",
+        "schedule=[{steps: 2, expected_batch_size: 64}]",
+        "optimizer.warmup_steps=1",
+        "train.eval_batches=1",
+        "train.eval_batch_size=16",
+        "report.fill_mask=[]",
+    ):
+        argv += ["--set", s]
+    assert cli.main(argv) == 0
+    captured = capsys.readouterr()
+    assert "with the noise switched off (an audit's run: no claim)" in captured.out + captured.err
+    report = _audit_json(out)
+    assert report["kind"] == "input" and report["noise_free"] is True and report["epsilon_claimed"] == "inf"
+    assert report["epsilon_lower_bound"] >= 0.0 and report["delta"] == pytest.approx(1e-6)
+    run = out / "run"
+    assert json.loads((run / "AUDIT_RUN.json").read_text())["noise_free"] is True
+    assert not (run / "privacy.json").exists() and not (run / "release").exists()  # no ledger, no release
 
 
 @pytest.mark.slow  # two audits of the full 1,100-step schedule (about 25 s each on 2 idle cores)

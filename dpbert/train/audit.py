@@ -20,6 +20,7 @@ import contextlib
 import dataclasses
 import datetime
 import json
+import math
 import os
 import shutil
 from collections.abc import Callable, Iterable
@@ -224,12 +225,14 @@ def train_audit_run(
     log: Callable[[str], None],
     noise_seed_file: str | os.PathLike[str] | None,
     mechanism: str | None = None,
+    noise_free: bool = False,
 ) -> tuple[Any, dict[str, Any] | None]:
     """(run result, its ledger as written or None for a non-private run): the recipe trained on the
     audit `store` in `run_dir`, marked AUDIT_RUN.json before the first step (so even an interrupted
     audit run says what it is), which makes it unreleasable: the trainer writes no `release/` for it
     and `dpbert export` refuses it; its privacy.json is marked 'audit' too (unreadable as a release
-    ledger). Keys: `mechanism` (default "audit/<kind>/run")."""
+    ledger). Keys: `mechanism` (default "audit/<kind>/run"). `noise_free`: the recipe's clipping without
+    noise (no ledger is written: nothing is claimed)."""
     run_dir.mkdir(parents=True, exist_ok=True)
     write_json(run_dir / AUDIT_RUN_FILE, {"audit": True, "kind": kind, **marker, "store": str(store)})
     run = pretrain(
@@ -240,6 +243,7 @@ def train_audit_run(
         log=log,
         noise_seed_file=noise_seed_file,
         mechanism=mechanism or f"audit/{kind}/run",
+        noise_free=noise_free,
     )
     ledger_path = run_dir / "privacy.json"
     if not ledger_path.is_file():
@@ -335,11 +339,6 @@ def run_audit(
     recipe = load_recipe(recipe_path, overrides)
     if not recipe.privacy.enabled:
         raise ValueError("recipe field 'privacy.enabled': an audit needs a private recipe (there is no claim to test)")
-    if noise_free and kind != "gradient":
-        raise ValueError(
-            "recipe field 'privacy.noise_multiplier': 0 (noise switched off) is audited with --kind gradient only; "
-            "the input audit trains through `dpbert pretrain`, which refuses a private recipe without noise"
-        )
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
     base = base_store(recipe, out)
@@ -404,24 +403,30 @@ def run_audit(
             out / "run",
             store=store,
             kind=kind,
-            marker={"num_canaries": num_canaries, "num_included": int(included.sum())},
+            marker={"num_canaries": num_canaries, "num_included": int(included.sum()), "noise_free": noise_free},
             overrides=[*overrides, *audit_dataset_size(recipe, n_train, num_canaries)],
             progress=progress,
             log=log,
             noise_seed_file=noise_seed_file,
+            noise_free=noise_free,
         )
         run_dir = out / "run"
-        ledger = PrivacyLedger.from_dict(ledger_dict)
         scores = pseudo_log_likelihood(run_dir / "hf", canaries, mask_id=manifest.mask_id)
-        delta = ledger.delta + ledger.truncation_delta(float(run.epsilon))
+        if noise_free:  # nothing claimed: the bound is computed at the recipe's delta
+            claimed, delta = math.inf, recipe.privacy.delta
+        else:
+            ledger = PrivacyLedger.from_dict(ledger_dict)
+            claimed = float(run.epsilon)
+            delta = ledger.delta + ledger.truncation_delta(claimed)
         bound = audit_scores(scores, included, delta=min(delta, 1.0), confidence=confidence)
         report = _report(
             kind,
             str(recipe_path),
-            float(run.epsilon),
+            claimed,
             bound,
             "pseudo_log_likelihood",
             _figures(scores, included, bound),
+            noise_free=noise_free,
         )
         with contextlib.closing(MetricsLog(run_dir / "metrics.jsonl")) as metrics:
             metrics.write({**report.to_dict(), "kind": "audit", "canary_kind": kind, "step": run.steps_done})

@@ -39,7 +39,7 @@ from dpbert.privacy.documents import SEQUENCE_PADDING
 from dpbert.privacy.dp_step import StepFn, ema_params, make_dp_train_step, make_train_step
 from dpbert.privacy.randomness import SECRET_FILE, RunSecret, mechanism_key, read_secret
 from dpbert.privacy.sampling import check_document_offsets
-from dpbert.release.export import RANDOMNESS_FILE
+from dpbert.release.export import AUDIT_RUN_FILE, RANDOMNESS_FILE
 from dpbert.train import distributed
 from dpbert.train.checkpoint import CheckpointStore
 from dpbert.train.device import device_settings
@@ -282,7 +282,12 @@ def _log_setup(
         f"process(es); compiled batch per stage {', '.join(map(str, device_batches))}"
     )
     if plan.ledger is None:
-        log("privacy: NOT private (baseline: no clipping, no noise)")
+        if recipe.privacy.enabled:  # an audit's noise-free run
+            log(
+                f"privacy: clipping to {recipe.privacy.clip_norm} with the noise switched off (an audit's run: no claim)"
+            )
+        else:
+            log("privacy: NOT private (baseline: no clipping, no noise)")
         return
     sigmas = ", ".join(f"{s.noise_multiplier:.4g}" for s in plan.schedule.stages)
     log(
@@ -547,6 +552,7 @@ def pretrain(
     noise_seed_file: str | os.PathLike[str] | None = None,
     mechanism: str = "pretrain",
     release: bool = True,
+    noise_free: bool = False,
 ) -> RunResult:
     """Run (or resume) the recipe in `output_dir`; see the module docstring for guarantees.
 
@@ -558,6 +564,8 @@ def pretrain(
         run can be reproduced by whoever holds the file; the release says so.
       mechanism: the purpose the keys are derived for (an audit's training run passes its own).
       release: False skips the final `hf/` and `release/` folders (a sweep's arms).
+      noise_free: an audit's run only (OUTPUT_DIR holds AUDIT_RUN.json, so it is never released):
+        the recipe's clipping with the noise switched off; nothing is claimed (epsilon = infinity).
     Returns:
       `RunResult`: steps, epsilon and delta, held-out figures, wall time and the release folder."""
     started = time.perf_counter()
@@ -567,7 +575,7 @@ def pretrain(
     recipe = load_recipe(recipe_path, overrides)
     run_dir = Path(output_dir)
     ckpt_dir = run_dir / "checkpoints"
-    _check_run_folder(recipe, run_dir, resume=resume, noise_seed_file=noise_seed_file)
+    _check_run_folder(recipe, run_dir, resume=resume, noise_seed_file=noise_seed_file, noise_free=noise_free)
 
     # --- data (the DP vocabulary is the run's first mechanism: it needs the secret before the data)
     secret = None
@@ -585,6 +593,8 @@ def pretrain(
     config = bert_config(recipe, manifest.vocab_size)
     recipe = dataclasses.replace(recipe, model=dataclasses.replace(recipe.model, vocab_size=config.vocab_size))
     plan = plan_recipe(recipe, data.stored_units)
+    if noise_free:
+        plan = _without_noise(plan)
     written = recipe
     recipe = _tuned_for_device(recipe, config, data, plan, mesh.devices.size, log)
     if recipe.privacy.enabled and secret is None:
@@ -652,10 +662,27 @@ def pretrain(
     )
 
 
+def _without_noise(plan: Plan) -> Plan:
+    """The plan with every stage's noise multiplier 0 and no ledger: nothing is claimed."""
+    stages = tuple(dataclasses.replace(s, noise_multiplier=0.0) for s in plan.schedule.stages)
+    return dataclasses.replace(plan, schedule=dataclasses.replace(plan.schedule, stages=stages), ledger=None)
+
+
 def _check_run_folder(
-    recipe: Recipe, run_dir: Path, *, resume: bool, noise_seed_file: str | os.PathLike[str] | None
+    recipe: Recipe,
+    run_dir: Path,
+    *,
+    resume: bool,
+    noise_seed_file: str | os.PathLike[str] | None,
+    noise_free: bool,
 ) -> None:
-    """Refuse, before anything is written, a fresh run over checkpoints and a seed for a non-private run."""
+    """Refuse, before anything is written, a fresh run over checkpoints, a seed for a non-private
+    run, and a noise-free run outside an audit's run folder (marked AUDIT_RUN.json: never released)."""
+    if noise_free and not (run_dir / AUDIT_RUN_FILE).is_file():
+        raise ValueError(
+            f"noise_free: only an audit's run trains a private recipe without noise ({run_dir / AUDIT_RUN_FILE} "
+            "marks one; `dpbert audit` writes it), since such a model must never be released"
+        )
     if not resume and has_checkpoints(run_dir / "checkpoints"):
         raise ValueError(
             f"run folder {run_dir} already holds checkpoints; pass --resume to continue it or choose another --output-dir"
