@@ -734,6 +734,19 @@ def test_an_input_audit_states_its_own_cost_and_a_forged_composition_fails_verif
 _TINY = str(__import__("pathlib").Path(__file__).resolve().parents[1] / "recipes" / "tiny.yaml")
 
 
+# A two-step run of the shipped recipe: an input audit end to end in seconds.
+_TWO_STEPS = [
+    f"--set={s}"
+    for s in (
+        "schedule=[{steps: 2, expected_batch_size: 64}]",
+        "optimizer.warmup_steps=1",
+        "train.eval_batches=1",
+        "train.eval_batch_size=16",
+        "report.fill_mask=[]",
+    )
+]
+
+
 def _audit_json(out) -> dict:
     import json
 
@@ -767,15 +780,7 @@ def test_input_audit_runs_on_the_shipped_recipe(tmp_path):
     from dpbert.data.store import read_manifest
 
     out = tmp_path / "audit"
-    argv = ["audit", _TINY, "--output-dir", str(out), "--kind", "input", "--canaries", "20", "--json"]
-    for s in (
-        "schedule=[{steps: 2, expected_batch_size: 64}]",
-        "optimizer.warmup_steps=1",
-        "train.eval_batches=1",
-        "train.eval_batch_size=16",
-        "report.fill_mask=[]",
-    ):
-        argv += ["--set", s]
+    argv = ["audit", _TINY, "--output-dir", str(out), "--kind", "input", "--canaries", "20", "--json", *_TWO_STEPS]
     assert cli.main(argv) == 0
     report = _audit_json(out)
     assert report["kind"] == "input" and report["num_canaries"] == 20 and report["score"] == "pseudo_log_likelihood"
@@ -811,17 +816,8 @@ def test_input_audit_of_a_noise_free_run_claims_nothing_and_releases_nothing(tmp
     from dpbert import cli
 
     out = tmp_path / "audit"
-    argv = ["audit", _TINY, "--output-dir", str(out), "--kind", "input", "--canaries", "20"]
-    for s in (
-        "privacy.target_epsilon=null",
-        "privacy.noise_multiplier=0",
-        "schedule=[{steps: 2, expected_batch_size: 64}]",
-        "optimizer.warmup_steps=1",
-        "train.eval_batches=1",
-        "train.eval_batch_size=16",
-        "report.fill_mask=[]",
-    ):
-        argv += ["--set", s]
+    no_noise = ["--set", "privacy.target_epsilon=null", "--set", "privacy.noise_multiplier=0"]
+    argv = ["audit", _TINY, "--output-dir", str(out), "--kind", "input", "--canaries", "20", *no_noise, *_TWO_STEPS]
     assert cli.main(argv) == 0
     captured = capsys.readouterr()
     assert "with the noise switched off (an audit's run: no claim)" in captured.out + captured.err
