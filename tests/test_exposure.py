@@ -231,12 +231,19 @@ def test_exposure_audit_end_to_end_and_on_a_release_that_still_verifies(tmp_path
     assert [r["num_secrets"] for r in report["summary"]] == [2, 2, 2]
     assert report["summary"][2]["max_nonprivate"] == max(s["exposure_nonprivate"] for s in secrets[4:])
 
-    # The planted store: the recipe's rows, then each secret as often as it was planted; "9" never
-    # crosses a token boundary (each digit one token).
+    # The planted store: the recipe's rows, then each planted secret as often as it was planted, its six
+    # digits as six tokens of the store's tokenizer.
+    from tokenizers import Tokenizer
+
     from dpbert.data.store import TokenStore
 
     base, planted = TokenStore.open(store), TokenStore.open(out / "store")
     assert len(planted) == len(base) + 2 * 1 + 2 * 8
+    tok = Tokenizer.from_file(str(store / "tokenizer" / "tokenizer.json"))
+    texts = [tok.decode(r.tolist()) for r in planted[np.arange(len(base), len(planted))]]
+    expected = [f"my id is {' '.join(s['secret'])}" for s in secrets for _ in range(s["repetitions"])]
+    assert texts == expected
+    assert planted.manifest.source.endswith("+ 18 rows of audit secrets ('my id is d d d d d d', exposure audit)")
     # Neither audit model is releasable.
     from dpbert.release import export_run
 

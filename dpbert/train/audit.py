@@ -128,8 +128,11 @@ def random_canaries(
     return rows
 
 
-def write_canary_store(base_dir: Path, out_dir: Path, canaries: np.ndarray) -> None:
-    """A token store = the base store with `canaries` appended to its train split (atomic)."""
+def write_canary_store(
+    base_dir: Path, out_dir: Path, canaries: np.ndarray, *, what: str = "audit canaries (random token sequences)"
+) -> None:
+    """A token store = the base store with `canaries` appended to its train split (atomic); the
+    manifest's `source` says "<base source> + <number> <what>"."""
 
     manifest = read_manifest(base_dir)
     train, evals = manifest.splits["train"], manifest.splits["eval"]
@@ -142,7 +145,7 @@ def write_canary_store(base_dir: Path, out_dir: Path, canaries: np.ndarray) -> N
                 shutil.copyfileobj(src, f)
             f.write(canaries.astype(dtype).tobytes())
         data = manifest.to_dict()
-        data["source"] = f"{manifest.source} + {len(canaries)} audit canaries (random token sequences)"
+        data["source"] = f"{manifest.source} + {len(canaries)} {what}"
         data["splits"]["train"] = {
             **dataclasses.asdict(train),
             "num_examples": train.num_examples + len(canaries),

@@ -212,7 +212,7 @@ def run_exposure_audit(
     planted_times = np.repeat(np.asarray(all_counts, np.int64), s)
     rows = secret_rows(manifest, prefix, digit_ids, np.repeat(drawn, planted_times, axis=0))
     store = out / "store"
-    write_canary_store(base, store, rows)
+    write_canary_store(base, store, rows, what=f"rows of audit secrets ('{PREFIX} d d d d d d', exposure audit)")
     log(
         f"audit: {len(drawn)} secrets '{PREFIX} d d d d d d', {s} each planted {', '.join(map(str, all_counts))} "
         f"times ({len(rows)} rows appended to the training set in {store})"
