@@ -114,6 +114,22 @@ def test_a_digit_that_is_not_one_token_is_refused_naming_the_tokenizer(tmp_path)
         secret_token_ids(good, SimpleNamespace(**{**vars(manifest), "seq_len": 10}))
 
 
+def test_the_twin_is_the_recipes_reference_recipe_or_the_recipe_itself(tmp_path):
+    from pathlib import Path
+
+    from dpbert.config.recipe import load_recipe
+    from dpbert.train.exposure_audit import nonprivate_twin
+
+    tiny = Path(__file__).resolve().parents[1] / "recipes" / "tiny.yaml"
+    assert nonprivate_twin(tiny, load_recipe(tiny)) == tiny.parent / "tiny_nonprivate.yaml"
+    unnamed = load_recipe(tiny, ["reference.recipe=null"])
+    assert nonprivate_twin(tiny, unnamed) == tiny
+    copy = tmp_path / "tiny.yaml"
+    copy.write_text(tiny.read_text())
+    with pytest.raises(FileNotFoundError, match=r"'reference.recipe': .*tiny_nonprivate.yaml does not exist"):
+        nonprivate_twin(copy, load_recipe(copy))
+
+
 def test_bad_flags_are_named(tmp_path, capsys):
     from dpbert import cli
     from dpbert.train.exposure_audit import parse_repetitions
@@ -220,6 +236,7 @@ def test_exposure_audit_end_to_end_and_on_a_release_that_still_verifies(tmp_path
     report = json.loads((out / "audit.json").read_text())
     assert report["kind"] == "exposure" and report["audit"] is True and report["num_candidates"] == 10**6
     assert report["repetitions"] == [0, 1, 8] and report["steps"] == 3 == report["steps_nonprivate"]
+    assert report["twin_recipe"].endswith("tiny_nonprivate.yaml")  # the recipe's own reference twin
     assert report["epsilon"] == pytest.approx(8.0, rel=0.01) and "unbounded privacy" in report["privacy_spent"]
     secrets = report["secrets"]
     assert len(secrets) == 6 and len({s["secret"] for s in secrets}) == 6

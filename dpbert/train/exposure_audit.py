@@ -2,7 +2,8 @@
 
 Secrets "my id is d d d d d d" (each digit one token) are planted in a copy of the token store, each
 a chosen number of times (0 = control, never planted); the recipe is trained with DP and, on the same
-store, as its non-private twin (`privacy.enabled=false`); each model scores all 10^6 candidates by
+store, as its non-private twin (the recipe's `reference.recipe` when it names one, which carries the
+twin's own tuning, else the recipe itself with `privacy.enabled=false`); each model scores all 10^6 candidates by
 masking the six digits in one pass, and each secret's exposure (`dpbert.privacy.exposure`) is
 reported for both models side by side. A measurement, not a guarantee.
 
@@ -29,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dpbert.atomic import write_json
-from dpbert.config.recipe import load_recipe
+from dpbert.config.recipe import Recipe, load_recipe
 from dpbert.data.store import TOKENIZER_DIR, StoreManifest, read_manifest
 from dpbert.model import functional
 from dpbert.model.bert import BertForMaskedLM
@@ -66,6 +67,7 @@ class ExposureReport:
     date: str
     overrides: list[str] = dataclasses.field(default_factory=list)
     wall_time_s: float | None = None
+    twin_recipe: str | None = None
     kind: str = KIND
     audit: bool = True
     ties: str = TIES
@@ -228,9 +230,10 @@ def run_exposure_audit(
         noise_seed_file=noise_seed_file,
         **common,
     )
-    log("audit: the non-private twin (privacy.enabled=false) on the same planted store")
+    twin_path = nonprivate_twin(recipe_path, recipe)
+    log(f"audit: the non-private twin ({twin_path.name}, privacy.enabled=false) on the same planted store")
     twin, _ = train_audit_run(
-        recipe_path,
+        twin_path,
         out / "run_nonprivate",
         marker={**marker, "model": "nonprivate"},
         overrides=[*overrides, "privacy.enabled=false"],
@@ -278,9 +281,25 @@ def run_exposure_audit(
         date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         overrides=overrides,
         wall_time_s=round(time.perf_counter() - started, 1),
+        twin_recipe=str(twin_path),
     )
     write_json(out / "audit.json", report.to_dict())
     return report
+
+
+def nonprivate_twin(recipe_path: str | os.PathLike[str], recipe: Recipe) -> Path:
+    """The recipe file the twin trains: `reference.recipe` (beside the recipe) when the recipe names
+    one, since a non-private run needs its own tuning (the tiny recipe's DP learning rate leaves a
+    run without clipping at the unigram baseline), else the recipe itself."""
+    named = recipe.reference.recipe
+    if named is None:
+        return Path(recipe_path)
+    twin = Path(recipe_path).parent / named
+    if not twin.is_file():
+        raise FileNotFoundError(
+            f"recipe field 'reference.recipe': {twin} does not exist; expected the twin's recipe file"
+        )
+    return twin
 
 
 def format_table(report: ExposureReport) -> str:
@@ -289,7 +308,7 @@ def format_table(report: ExposureReport) -> str:
         ("audit kind", f"exposure ({EXPOSURE_MEANING})"),
         ("recipe", report.recipe + "".join(f" --set {o}" for o in report.overrides)),
         ("DP run", f"{report.steps} steps, epsilon {report.epsilon:.4g} at delta {report.delta:g}"),
-        ("non-private twin", f"{report.steps_nonprivate} steps, epsilon infinity (privacy.enabled=false)"),
+        ("non-private twin", f"{report.twin_recipe}: {report.steps_nonprivate} steps, epsilon infinity"),
         ("secrets", f"'{report.prefix} d d d d d d' ({report.tokenizer}); {report.secrets_per_count} per count"),
         ("candidates", f"{report.num_candidates} (max exposure {math.log2(report.num_candidates):.2f} bits)"),
         ("ties", report.ties),
