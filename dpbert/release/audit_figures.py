@@ -88,7 +88,7 @@ def figure_from_report(report: Mapping[str, Any], *, guarantee: Guarantee, where
             num_guesses=int(report["num_guesses"]),
             num_correct=int(report["num_correct"]),
             date=str(report["date"]),
-            recipe=str(report["recipe"]),
+            recipe=redact_paths(str(report["recipe"])),
         )
     except ValueError as err:
         raise ValueError(f"{where}: {err}") from err
