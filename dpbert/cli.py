@@ -246,6 +246,8 @@ def _add_finetune(sub: argparse._SubParsersAction) -> None:
 
 def _audit(args: argparse.Namespace) -> int:
     """`dpbert audit`: run the audit, print its table (or JSON), add it to a release's card."""
+    if args.canary_design is not None and args.kind != "input":
+        raise ValueError(f"--canary-design: only meaningful with --kind input (got --kind {args.kind})")
     if args.kind == "exposure":
         return _exposure_audit(args)
     for flag, value in (("--secrets", args.secrets), ("--repetitions", args.repetitions)):
@@ -264,6 +266,7 @@ def _audit(args: argparse.Namespace) -> int:
         progress=not args.json,
         log=(lambda s: None) if args.json else print,
         noise_seed_file=args.noise_seed_file,
+        canary_design=args.canary_design or "rare",
     )
     print(json.dumps(report.to_dict(), indent=2, sort_keys=True) if args.json else format_table(report))
     if args.card:
@@ -736,13 +739,20 @@ def _add_audit(sub: argparse._SubParsersAction) -> None:
         type=int,
         default=None,
         metavar="M",
-        help="number of canaries (default 1000 input, 10000 gradient)",
+        help="number of canaries (default 2000 input, 10000 gradient)",
+    )
+    p.add_argument(
+        "--canary-design",
+        choices=["rare", "random"],
+        default=None,
+        help="--kind input: rare (default): each canary is one token of its own, among the training split's least "
+        "frequent, repeated (Panda et al. 2025's new-token canaries); random: uniform ordinary tokens",
     )
     p.add_argument(
         "--kind",
         choices=["input", "gradient", "exposure"],
         default="input",
-        help="input: random sequences, black box (default); gradient: Dirac gradients in the DP step; exposure: "
+        help="input: canary sequences, black box (default); gradient: Dirac gradients in the DP step; exposure: "
         "planted secrets 'my id is d d d d d d', their exposure under the DP model and its non-private twin "
         "(a memorization measurement, Carlini et al. 2019)",
     )

@@ -358,6 +358,41 @@ def audit_recipe(tmp_path_factory):
     return path, root
 
 
+def test_rare_token_canaries_take_the_least_frequent_ordinary_tokens_one_each():
+    import jax
+
+    from dpbert.train.audit import rare_token_canaries
+
+    counts = np.array([0, 0, 0, 0, 0, 9, 0, 3, 0, 1, 0, 7])  # ids 0-4 special (never chosen, even unseen)
+    kw = {"counts": counts, "seq_len": 6, "cls_id": 2, "sep_id": 3, "special_token_ids": [0, 1, 4]}
+    rows, tokens = rare_token_canaries(jax.random.key(0), 5, **kw)
+    # The unseen ordinary ids (6, 8, 10) first, in a random order, then the rarest seen ones (9 once, 7 thrice).
+    assert set(tokens[:3].tolist()) == {6, 8, 10} and tokens[3:].tolist() == [9, 7]
+    assert rows.shape == (5, 6) and rows.dtype == np.int32
+    assert (rows[:, 0] == 2).all() and (rows[:, -1] == 3).all() and (rows[:, 1:-1] == tokens[:, None]).all()
+    orders = {tuple(rare_token_canaries(jax.random.key(k), 3, **kw)[1].tolist()) for k in range(12)}
+    assert len(orders) > 1 and all(set(o) == {6, 8, 10} for o in orders)  # ties broken by the key
+    again, _ = rare_token_canaries(jax.random.key(0), 5, **kw)
+    assert np.array_equal(rows, again)
+    with pytest.raises(
+        ValueError,
+        match="canaries: the rare-token design needs one ordinary token per canary; the vocabulary has 7, got 8",
+    ):
+        rare_token_canaries(jax.random.key(0), 8, **kw)
+
+
+def test_token_counts_match_the_stored_rows(audit_recipe):
+    from dpbert.data.store import TokenStore
+    from dpbert.train.audit import token_counts
+
+    _, root = audit_recipe
+    store = TokenStore.open(root / "store")
+    rows = store[np.arange(len(store))]
+    expected = np.bincount(rows.ravel(), minlength=store.manifest.vocab_size)
+    assert np.array_equal(token_counts(root / "store"), expected)
+    assert np.array_equal(token_counts(root / "store", chunk_rows=7), expected)
+
+
 @pytest.mark.slow  # a real (tiny) pretraining run: compilation dominates
 def test_input_canary_audit_is_marked_and_never_touches_the_recipe_store(audit_recipe, tmp_path, capsys):
     import json
@@ -373,6 +408,7 @@ def test_input_canary_audit_is_marked_and_never_touches_the_recipe_store(audit_r
     written = json.loads((out / "audit.json").read_text())
     assert printed == written
     assert written["kind"] == "input" and written["audit"] is True and written["num_canaries"] == 40
+    assert written["canary_design"] == "rare"
     assert written["confidence"] == 0.95 and written["delta"] >= 1e-4
     assert 0.0 <= written["epsilon_lower_bound"] <= written["epsilon_claimed"]
 
@@ -385,6 +421,14 @@ def test_input_canary_audit_is_marked_and_never_touches_the_recipe_store(audit_r
     base_rows = {r.tobytes() for r in base[np.arange(n)]}
     assert not any(c.tobytes() in base_rows for c in canaries)
     assert "audit canaries" in audited.manifest.source and "canaries" not in base.manifest.source
+    # Rare-token design: each canary is one token of its own, among the base store's least frequent.
+    from dpbert.train.audit import token_counts
+
+    tokens = canaries[:, 1]
+    assert (canaries[:, 1:-1] == tokens[:, None]).all() and len(set(tokens.tolist())) == len(tokens)
+    counts = token_counts(root / "store")
+    ordinary = np.setdiff1d(np.arange(counts.size), audited.manifest.special_token_ids)
+    assert counts[tokens].max() <= np.sort(counts[ordinary])[written["num_canaries"] - 1]
 
     # The run says it is an audit everywhere a user would look, and is not releasable.
     run = out / "run"
@@ -770,6 +814,8 @@ def test_gradient_audit_runs_on_the_shipped_recipe(tmp_path, capsys):
     assert "lower bound (95% conf.)" in table and "f-DP lower bound (95% conf.)" in table
     report = _audit_json(out)
     assert report["kind"] == "gradient" and report["num_canaries"] == 1000 and report["noise_free"] is False
+    assert report["steps"] == 20 and report["overrides"] == argv[-3::2]  # which run was audited
+    assert f"{_TINY} --set schedule=[{{steps: 20" in table and "warmup_steps=1: 20 steps" in table
     assert report["epsilon_claimed"] == pytest.approx(8.0, abs=0.02) and report["delta"] >= 1e-6
     assert 0.0 <= report["epsilon_lower_bound"] <= report["epsilon_claimed"]
     assert 0.0 <= report["epsilon_lower_bound_fdp"] <= report["epsilon_claimed"]
@@ -787,6 +833,7 @@ def test_input_audit_runs_on_the_shipped_recipe(tmp_path):
     assert cli.main(argv) == 0
     report = _audit_json(out)
     assert report["kind"] == "input" and report["num_canaries"] == 20 and report["score"] == "pseudo_log_likelihood"
+    assert report["canary_design"] == "rare"
     assert 0.0 <= report["epsilon_lower_bound"] <= report["epsilon_claimed"]
     assert 0.0 <= report["epsilon_lower_bound_fdp"] <= report["epsilon_claimed"]
     assert read_manifest(out / "store").vocab_size == 8192

@@ -146,6 +146,14 @@ def test_bad_flags_are_named(tmp_path, capsys):
         ([*base, "--set", "privacy.enabled=false"], "privacy.enabled"),
         ([*base, "--canaries", "10"], "--canaries: not used by --kind exposure"),
         (["audit", _TINY, "--output-dir", out, "--secrets", "3"], "--secrets: only meaningful with --kind exposure"),
+        (
+            [*base, "--canary-design", "rare"],
+            "--canary-design: only meaningful with --kind input (got --kind exposure)",
+        ),
+        (
+            ["audit", _TINY, "--output-dir", out, "--kind", "gradient", "--canary-design", "random"],
+            "--canary-design: only meaningful with --kind input (got --kind gradient)",
+        ),
     ):
         assert cli.main(argv) == 1
         assert message in capsys.readouterr().err

@@ -1,8 +1,9 @@
 """`dpbert audit`: an empirical lower bound on a recipe's epsilon, from canaries, in one run.
 
-Two kinds of canaries: `input` (black box: random sequences join the recipe's training set with
+Two kinds of canaries: `input` (black box: sequences join the recipe's training set with
 probability 1/2, the recipe is trained as usual on an audit token store, and each canary is scored
-by its pseudo-log-likelihood under the final model) and `gradient` (white box: the recipe's privacy
+by its pseudo-log-likelihood under the final model; each canary is one rare token of its own
+repeated, or uniform random tokens, `CANARY_DESIGNS`) and `gradient` (white box: the recipe's privacy
 plan run through the real DP step with Dirac gradient canaries, `dpbert.privacy.gradient_canaries`). Two
 bounds on the same scores at the stated confidence: Steinke et al.'s and the f-DP bound
 (`dpbert.privacy.audit_fdp`). A gradient audit may switch the noise off (claim: infinity).
@@ -54,10 +55,14 @@ from dpbert.train.metrics import MetricsLog
 from dpbert.train.pretrain import pretrain
 
 KINDS = ("input", "gradient")
+# Input canary designs: `rare` (each canary is one token of its own, among the least frequent of
+# the training split, at every position: Panda et al. 2025's new-token canaries) and `random`
+# (uniform ordinary tokens). Which separates better: docs/RESULTS.md, "Audits".
+CANARY_DESIGNS = ("rare", "random")
 # Gradient canaries cost one coordinate each, so more are cheap; with a recipe's small sampling
 # rate only the canaries sampled at least once can be told apart, and their number grows with m.
 # How the bound grows with the number of canaries: docs/RESULTS.md, "Audits".
-DEFAULT_CANARIES = {"input": 1000, "gradient": 10000}
+DEFAULT_CANARIES = {"input": 2000, "gradient": 10000}
 # fold_in constants under the canary key: the coin flips use the canary key itself.
 _TOKENS = 1
 
@@ -92,6 +97,11 @@ class AuditReport:
     fdp_k_minus: int | None = None
     # True when the audited run had its noise switched off (claim: epsilon = infinity).
     noise_free: bool = False
+    # Input audits: the canary design (CANARY_DESIGNS).
+    canary_design: str | None = None
+    # Which run was audited: the recipe's overrides (`--set`) and the DP steps it ran.
+    overrides: list[str] = dataclasses.field(default_factory=list)
+    steps: int | None = None
     # Empirical figures of the canary scores (`dpbert.privacy.audit_bounds.empirical_figures`): dpbert's ROC
     # figures and, next to them, jax-privacy's auditor's. None of them is a privacy guarantee.
     auroc: float | None = None
@@ -126,6 +136,49 @@ def random_canaries(
     rows[:, 0], rows[:, -1] = cls_id, sep_id
     rows[:, 1:-1] = ordinary[body]
     return rows
+
+
+def token_counts(store_dir: Path, split: str = "train", *, chunk_rows: int = 1 << 20) -> np.ndarray:
+    """int64 [vocab_size]: how often each token id occurs in the store's `split` (read in chunks)."""
+    manifest = read_manifest(store_dir)
+    info = manifest.splits[split]
+    rows = np.memmap(store_dir / info.file, dtype=np.dtype(manifest.dtype).newbyteorder("<"), mode="r").reshape(
+        -1, manifest.seq_len
+    )
+    counts = np.zeros(manifest.vocab_size, np.int64)
+    for start in range(0, len(rows), chunk_rows):
+        counts += np.bincount(np.asarray(rows[start : start + chunk_rows]).ravel(), minlength=manifest.vocab_size)
+    return counts
+
+
+def rare_token_canaries(
+    key: jax.Array,
+    num: int,
+    *,
+    counts: np.ndarray,
+    seq_len: int,
+    cls_id: int,
+    sep_id: int,
+    special_token_ids: Iterable[int],
+) -> tuple[np.ndarray, np.ndarray]:
+    """(int32 [num, seq_len] canaries, int32 [num] their tokens): canary i is [CLS], its own token
+    repeated seq_len - 2 times, [SEP]. The tokens are the `num` least frequent non-special ids of
+    `counts` (ties broken at random by `key`), one per canary, so no canary shares its token with
+    another, and a token absent from the training split is seen only in its canary."""
+    special = set(special_token_ids) | {cls_id, sep_id}
+    ordinary = np.asarray([t for t in range(counts.size) if t not in special], np.int64)
+    if num > ordinary.size:
+        raise ValueError(
+            f"canaries: the rare-token design needs one ordinary token per canary; "
+            f"the vocabulary has {ordinary.size}, got {num}"
+        )
+    tiebreak = np.asarray(jax.random.permutation(key, ordinary.size))
+    order = np.lexsort((tiebreak, counts[ordinary]))
+    tokens = ordinary[order[:num]].astype(np.int32)
+    rows = np.empty((num, seq_len), np.int32)
+    rows[:, 0], rows[:, -1] = cls_id, sep_id
+    rows[:, 1:-1] = tokens[:, None]
+    return rows, tokens
 
 
 def write_canary_store(
@@ -270,6 +323,9 @@ def _report(
     figures: dict[str, Any] | None = None,
     *,
     noise_free: bool = False,
+    canary_design: str | None = None,
+    overrides: list[str],
+    steps: int,
 ) -> AuditReport:
     return AuditReport(
         kind=kind,
@@ -295,6 +351,9 @@ def _report(
         score=score,
         date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         noise_free=noise_free,
+        canary_design=canary_design,
+        overrides=overrides,
+        steps=steps,
         **(figures or {}),
     )
 
@@ -328,17 +387,21 @@ def run_audit(
     progress: bool = True,
     log: Callable[[str], None] = print,
     noise_seed_file: str | os.PathLike[str] | None = None,
+    canary_design: str = "rare",
 ) -> AuditReport:
-    """Audit the recipe with `num_canaries` canaries of `kind` (default `DEFAULT_CANARIES[kind]`);
-    writes OUTPUT_DIR/audit.json. The canary draw and the audit's training run take keys from
-    the audit's own secret (OS CSPRNG, or `noise_seed_file`; kept in OUTPUT_DIR/checkpoints),
+    """Audit the recipe with `num_canaries` canaries of `kind` (default `DEFAULT_CANARIES[kind]`;
+    input canaries of `canary_design`, one of CANARY_DESIGNS); writes OUTPUT_DIR/audit.json. The
+    canary draw and the audit's training run take keys from the audit's own secret (OS CSPRNG, or `noise_seed_file`; kept in OUTPUT_DIR/checkpoints),
     domain-separated from each other and from training ("audit/<kind>/...")."""
     if kind not in KINDS:
         raise ValueError(f"kind: expected one of {list(KINDS)}, got {kind!r}")
     num_canaries = DEFAULT_CANARIES[kind] if num_canaries is None else num_canaries
     if isinstance(num_canaries, bool) or not isinstance(num_canaries, int) or num_canaries < 2:
         raise ValueError(f"canaries: expected an integer >= 2, got {num_canaries!r}")
-    overrides, noise_free = _noise_free_overrides(recipe_path, list(overrides))
+    if canary_design not in CANARY_DESIGNS:
+        raise ValueError(f"canary design: expected one of {list(CANARY_DESIGNS)}, got {canary_design!r}")
+    user_overrides = list(overrides)
+    overrides, noise_free = _noise_free_overrides(recipe_path, user_overrides)
     recipe = load_recipe(recipe_path, overrides)
     if not recipe.privacy.enabled:
         raise ValueError("recipe field 'privacy.enabled': an audit needs a private recipe (there is no claim to test)")
@@ -387,20 +450,30 @@ def run_audit(
             result.score,
             _figures(result.scores, result.included, result.audit),
             noise_free=noise_free,
+            overrides=user_overrides,
+            steps=schedule.total_steps,
         )
     else:
-        canaries = random_canaries(
-            jax.random.fold_in(canary_key, _TOKENS),
-            num_canaries,
-            seq_len=manifest.seq_len,
-            vocab_size=manifest.vocab_size,
-            cls_id=manifest.cls_id,
-            sep_id=manifest.sep_id,
-            special_token_ids=manifest.special_token_ids,
-        )
+        token_key = jax.random.fold_in(canary_key, _TOKENS)
+        shape = {"seq_len": manifest.seq_len, "cls_id": manifest.cls_id, "sep_id": manifest.sep_id}
+        if canary_design == "rare":
+            counts = token_counts(base)
+            canaries, tokens = rare_token_canaries(
+                token_key, num_canaries, counts=counts, special_token_ids=manifest.special_token_ids, **shape
+            )
+            what = f"rare-token audit canaries ({int((counts[tokens] == 0).sum())} of their tokens unseen in training)"
+        else:
+            canaries = random_canaries(
+                token_key,
+                num_canaries,
+                vocab_size=manifest.vocab_size,
+                special_token_ids=manifest.special_token_ids,
+                **shape,
+            )
+            what = "audit canaries (random token sequences)"
         store = out / "store"
-        write_canary_store(base, store, canaries[included])
-        log(f"audit: {num_canaries} input canaries ({int(included.sum())} appended to the training set in {store})")
+        write_canary_store(base, store, canaries[included], what=what)
+        log(f"audit: {num_canaries} {what}, {int(included.sum())} appended to the training set in {store}")
         run, ledger_dict = train_audit_run(
             recipe_path,
             out / "run",
@@ -430,6 +503,9 @@ def run_audit(
             "pseudo_log_likelihood",
             _figures(scores, included, bound),
             noise_free=noise_free,
+            canary_design=canary_design,
+            overrides=user_overrides,
+            steps=run.steps_done,
         )
         with contextlib.closing(MetricsLog(run_dir / "metrics.jsonl")) as metrics:
             metrics.write({**report.to_dict(), "kind": "audit", "canary_kind": kind, "step": run.steps_done})
@@ -476,7 +552,13 @@ def _fdp_rows(report: AuditReport) -> list[tuple[str, str]]:
 def format_table(report: AuditReport) -> str:
     """The audit as a two-column text table."""
     rows = [
-        ("canary kind", report.kind),
+        ("canary kind", report.kind + (f" ({report.canary_design} design)" if report.canary_design else "")),
+        (
+            "audited run",
+            report.recipe
+            + "".join(f" --set {o}" for o in report.overrides)
+            + ("" if report.steps is None else f": {report.steps} steps"),
+        ),
         ("canaries (included)", f"{report.num_canaries} ({report.num_included})"),
         ("guesses (correct)", f"{report.num_guesses} ({report.num_correct}); k+={report.k_plus}, k-={report.k_minus}"),
         (
