@@ -97,6 +97,35 @@ def test_both_paths_equal_per_example_grads_one_by_one(setup):
     assert float(jnp.abs(word).sum()) > 0 and "decoder" not in params["cls"]["predictions"]
 
 
+def test_position_ids_keep_ghost_norms_and_sums_exact(setup):
+    loss, params, batch, is_padding, key, _ = setup
+    # Per-example offsets into the 16-row table (sequences of 12), and one example whose ids
+    # repeat (a row then receives two positions' gradients, as a Lookup row does).
+    offsets = np.array([0, 4, 1, 3, 4, 0])
+    positions = offsets[:, None] + np.arange(L)[None]
+    positions[5] = np.minimum(np.arange(L), 6)
+    batch = dict(batch, position_ids=jnp.asarray(positions, jnp.int32))
+    grad_one = jax.jit(jax.grad(loss))
+    per_example = [
+        grad_one(params, jax.tree_util.tree_map(lambda x, i=i: x[i], batch), jax.random.fold_in(key, i))
+        for i in range(B)
+    ]
+    # The ids are used: rows past the sequence length get gradients (example 4, unpadded, offset 4),
+    # those of offset 0 do not.
+    rows = [g["bert"]["embeddings"]["position_embeddings"]["embedding"] for g in per_example]
+    assert float(jnp.abs(rows[4][L:]).sum()) > 0 and float(jnp.abs(rows[0][L:]).sum()) == 0
+    keys = jax.vmap(lambda i: jax.random.fold_in(key, i))(jnp.arange(B))
+    _, sq = jax.jit(lambda p: ghost_sq_norms(loss, p, batch, keys))(params)
+    want_norms = np.array([float(optax.tree.norm(g)) for g in per_example])
+    np.testing.assert_allclose(np.sqrt(np.asarray(sq)), want_norms, rtol=2e-5)
+    clip_norm = float(np.median(want_norms))
+    want = _reference(per_example, is_padding, clip_norm)
+    kw = dict(clip_norm=clip_norm, microbatch_size=MB)
+    for impl in (clipped_grad_sum, ghost_clipped_grad_sum):
+        got, _ = jax.jit(lambda p, impl=impl: impl(loss, p, batch, is_padding, key, **kw))(params)
+        _assert_close(got, want)
+
+
 @pytest.mark.parametrize("layer_mode", ["ghost", "instantiate"])
 def test_every_layer_mode_equals_per_example_grads_one_by_one(setup, layer_mode):
     loss, params, batch, is_padding, key, per_example = setup

@@ -131,6 +131,23 @@ def test_torch_checkpoint_loads_with_matching_logits(tmp_path, overrides):
         np.testing.assert_allclose(ours, theirs.numpy(), atol=ATOL, rtol=0)
 
 
+def test_position_ids_match_transformers_and_default_to_0_to_L(hf_mlm_dir):
+    reference = transformers.BertForMaskedLM.from_pretrained(hf_mlm_dir).eval()
+    graphdef, params = split_params(BertForMaskedLM.from_pretrained(hf_mlm_dir))
+    inputs = batch(97)
+    offsets = np.array([[0], [13], [5]])  # up to 24 - 11 = 13 in the 24-row table
+    positions = offsets + np.arange(11)[None]
+    logits = jax.jit(mlm_logits, static_argnums=0)
+    got = logits(graphdef, params, **inputs, position_ids=positions)
+    want = torch_out(reference, {**inputs, "position_ids": positions}).logits.numpy()
+    np.testing.assert_allclose(got, want, atol=ATOL, rtol=0)
+    # Positions 0..L-1 given explicitly are the default (to float rounding: another program).
+    explicit = logits(graphdef, params, **inputs, position_ids=np.broadcast_to(np.arange(11), (3, 11)))
+    np.testing.assert_allclose(explicit, logits(graphdef, params, **inputs), atol=1e-5, rtol=0)
+    with pytest.raises(ValueError, match="position_ids: expected the shape of input_ids"):
+        mlm_logits(graphdef, params, inputs["input_ids"], position_ids=positions[:, :5])
+
+
 def test_pytorch_bin_with_legacy_names_loads_like_safetensors(tmp_path, hf_mlm_dir):
     # A torch state dict as older checkpoints have it: pytorch_model.bin, LayerNorm gamma/beta,
     # the tied decoder weight and bias stored twice, and the position_ids buffer.

@@ -108,6 +108,12 @@ class DataConfig:
     true` (the release says it was declared). Any other folder is refused.
     `eval_corpus`: a public corpus (not the private one) for held-out figures that a release may
     always carry; null scores the private corpus' held-out split, kept in the run folder only.
+
+    `random_position_offsets`: each training example is placed at positions o..o+seq_len-1, o
+    uniform on 0..model.max_position_embeddings - seq_len, drawn per (step, store index) from
+    the masking key, so a model trained on short sequences trains every row of its position table
+    (e.g. seq_len 16 with 64 positions). Held-out scoring uses offset 0. The offsets are
+    data-independent randomness: the DP guarantee and the ledger do not change.
     """
 
     corpus: str = "sotu"
@@ -125,6 +131,7 @@ class DataConfig:
     vocab_words_per_unit: int | None = None
     tokenizer_declared_public: bool = False
     eval_corpus: str | None = None
+    random_position_offsets: bool = False
 
     def __post_init__(self) -> None:
         _check(bool(self.corpus), "corpus", "a non-empty corpus name or path", self.corpus)

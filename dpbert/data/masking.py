@@ -2,7 +2,8 @@
 
 Masking is redrawn every time an example is used, from a key that depends only on
 (run key, step, example index) — see `example_mask_key` — so a resumed run masks every
-example exactly as the uninterrupted run did, whatever the batch layout or device count.
+example exactly as the uninterrupted run did, whatever the batch layout or device count. The
+optional per-example position offset (`example_position_offset`) derives from the same key.
 
 Guarantees of `mask_tokens`:
 - a sequence with n eligible tokens (not special, not padding) has exactly
@@ -28,6 +29,9 @@ import jax.numpy as jnp
 # masking stream of step s collide with the keys of step DATA_STREAM.
 DATA_STREAM = 0x6D61736B  # "mask" in ASCII
 
+# Domain separation of the position-offset draw from the masking draw of the same example and step.
+POSITION_STREAM = 0x706F7369  # "posi" in ASCII
+
 MASK_FRACTION = 0.8
 RANDOM_FRACTION = 0.1
 
@@ -42,6 +46,19 @@ def example_mask_key(run_key: jax.Array, step: int | jax.Array, example_index: i
     """
     data_key = jax.random.fold_in(run_key, DATA_STREAM)
     return jax.random.fold_in(jax.random.fold_in(data_key, step), example_index)
+
+
+def example_position_offset(
+    run_key: jax.Array, step: int | jax.Array, example_index: int | jax.Array, max_offset: int
+) -> jax.Array:
+    """The position offset of one example at one step: uniform on {0, ..., max_offset} (int32),
+    drawn with ``fold_in(example_mask_key(run_key, step, example_index), POSITION_STREAM)``.
+
+    Like the mask, it depends only on (run key, step, store index): the same for any batch layout,
+    micro-batch size or device count, and replayed by a resumed run. Data-independent randomness:
+    it leaves the DP guarantee and the ledger unchanged. Jittable and vmappable."""
+    key = jax.random.fold_in(example_mask_key(run_key, step, example_index), POSITION_STREAM)
+    return jax.random.randint(key, (), 0, max_offset + 1, dtype=jnp.int32)
 
 
 def num_to_mask(num_eligible: int | jax.Array, mask_prob: float) -> jax.Array:

@@ -187,9 +187,9 @@ class Tap:
         """Rows `ids` of `table` (float32: the caller casts after summing)."""
         return jnp.take(table, ids, axis=0)
 
-    def positions(self, name: str, table: jax.Array, length: int) -> jax.Array:
-        """The first `length` rows of `table`, one per position."""
-        return table[:length]
+    def positions(self, name: str, table: jax.Array, length: int, ids: jax.Array | None = None) -> jax.Array:
+        """Rows `ids` of `table` (int position ids [..., L]), or its first `length` rows when None."""
+        return table[:length] if ids is None else jnp.take(table, ids, axis=0)
 
 
 NO_TAP = Tap()
@@ -209,14 +209,22 @@ class BertEmbeddings(nnx.Module):
         self.dtype = dtype
 
     def __call__(
-        self, input_ids: jax.Array, token_type_ids: jax.Array, key: jax.Array | None, tap: Tap = NO_TAP
+        self,
+        input_ids: jax.Array,
+        token_type_ids: jax.Array,
+        key: jax.Array | None,
+        tap: Tap = NO_TAP,
+        *,
+        position_ids: jax.Array | None = None,
     ) -> jax.Array:
+        """Embeddings of [B, L] ids; `position_ids` [B, L] picks each token's position row
+        (None: positions 0..L-1, the same computation as before position ids existed)."""
         seq_len = input_ids.shape[-1]
         # Gather first, then cast: never materialise a casted copy of the whole table.
         x = (
             tap.embed("word_embeddings", self.word_embeddings.embedding[...], input_ids)
             + tap.embed("token_type_embeddings", self.token_type_embeddings.embedding[...], token_type_ids)
-            + tap.positions("position_embeddings", self.position_embeddings.embedding[...], seq_len)
+            + tap.positions("position_embeddings", self.position_embeddings.embedding[...], seq_len, position_ids)
         ).astype(self.dtype)
         return dropout(tap.layer_norm("LayerNorm", self.LayerNorm, x), self.dropout_rate, key)
 
@@ -452,8 +460,11 @@ class BertModel(_PretrainedMixin, nnx.Module):
         *,
         dropout_rng: jax.Array | None = None,
         output_hidden_states: bool = False,
+        position_ids: jax.Array | None = None,
     ) -> BaseModelOutput:
-        """Encode [B, L] int token ids; ``attention_mask`` is 1 for real tokens, 0 for padding."""
+        """Encode [B, L] int token ids; ``attention_mask`` is 1 for real tokens, 0 for padding;
+        ``position_ids`` [B, L] (each < config.max_position_embeddings) are the tokens' positions,
+        None for 0..L-1 (bit-identical to the model without position ids)."""
         input_ids = jnp.asarray(input_ids)
         if input_ids.ndim != 2:
             raise ValueError(f"input_ids: expected shape [batch, seq_len], got {input_ids.shape}")
@@ -461,10 +472,21 @@ class BertModel(_PretrainedMixin, nnx.Module):
             raise ValueError(
                 f"input_ids: seq_len {input_ids.shape[1]} exceeds config.max_position_embeddings {self.max_positions}"
             )
+        if position_ids is not None:
+            position_ids = jnp.asarray(position_ids)
+            if position_ids.shape != input_ids.shape:
+                raise ValueError(
+                    f"position_ids: expected the shape of input_ids {input_ids.shape}, got {position_ids.shape}"
+                )
         if token_type_ids is None:
             token_type_ids = jnp.zeros_like(input_ids)
         mask = attention_mask_4d(None if attention_mask is None else jnp.asarray(attention_mask))
-        x = self.embeddings(input_ids, jnp.asarray(token_type_ids), fold_key(dropout_rng, SITE_EMBEDDINGS))
+        x = self.embeddings(
+            input_ids,
+            jnp.asarray(token_type_ids),
+            fold_key(dropout_rng, SITE_EMBEDDINGS),
+            position_ids=position_ids,
+        )
         x, states = self.encoder(x, mask, dropout_rng, output_hidden_states=output_hidden_states)
         pooled = None if self.pooler is None else self.pooler(x)
         return BaseModelOutput(last_hidden_state=x, pooler_output=pooled, hidden_states=states)
@@ -537,16 +559,19 @@ class BertForMaskedLM(_PretrainedMixin, nnx.Module):
         dropout_rng: jax.Array | None = None,
         output_hidden_states: bool = False,
         masked_positions: jax.Array | None = None,
+        position_ids: jax.Array | None = None,
     ) -> MaskedLMOutput:
         """MLM logits [B, L, V]; with ``masked_positions`` [B, P] (int indices into L) only
         those positions are decoded, giving [B, P, V] (the vocabulary projection dominates
-        the cost of pretraining, and only masked positions carry loss)."""
+        the cost of pretraining, and only masked positions carry loss). ``position_ids`` as
+        `BertModel`."""
         out = self.bert(
             input_ids,
             attention_mask,
             token_type_ids,
             dropout_rng=dropout_rng,
             output_hidden_states=output_hidden_states,
+            position_ids=position_ids,
         )
         x = out.last_hidden_state
         if masked_positions is not None:
@@ -582,13 +607,16 @@ class BertForSequenceClassification(_PretrainedMixin, nnx.Module):
         *,
         dropout_rng: jax.Array | None = None,
         output_hidden_states: bool = False,
+        position_ids: jax.Array | None = None,
     ) -> SequenceClassifierOutput:
+        """Logits [B, num_labels]; ``position_ids`` as `BertModel`."""
         out = self.bert(
             input_ids,
             attention_mask,
             token_type_ids,
             dropout_rng=dropout_rng,
             output_hidden_states=output_hidden_states,
+            position_ids=position_ids,
         )
         pooled = dropout(out.pooler_output, self.dropout_rate, fold_key(dropout_rng, SITE_CLASSIFIER))
         return SequenceClassifierOutput(logits=self.classifier(pooled), hidden_states=out.hidden_states)

@@ -95,14 +95,14 @@ def stack_layers(params: nnx.State) -> nnx.State:
     return nnx.from_flat_state(flat)
 
 
+def _batched_like(x: Any, single: bool) -> Any:
+    """`x` with a leading batch axis when the input ids were one example (None stays None)."""
+    return None if x is None else jnp.asarray(x)[None] if single else jnp.asarray(x)
+
+
 def _batched(input_ids: Any, attention_mask: Any, token_type_ids: Any) -> tuple[jax.Array, Any, Any, bool]:
-    input_ids = jnp.asarray(input_ids)
-    single = input_ids.ndim == 1
-
-    def add_axis(x: Any) -> Any:
-        return None if x is None else jnp.asarray(x)[None] if single else jnp.asarray(x)
-
-    return add_axis(input_ids), add_axis(attention_mask), add_axis(token_type_ids), single
+    single = jnp.ndim(input_ids) == 1
+    return (*(_batched_like(x, single) for x in (input_ids, attention_mask, token_type_ids)), single)
 
 
 def _expect(model: Any, kind: type, fn: str) -> None:
@@ -119,14 +119,19 @@ def mlm_logits(
     dropout_rng: jax.Array | None = None,
     *,
     masked_positions: jax.Array | None = None,
+    position_ids: jax.Array | None = None,
 ) -> jax.Array:
-    """Masked-LM logits of a ``BertForMaskedLM`` (compute dtype of the model)."""
+    """Masked-LM logits of a ``BertForMaskedLM`` (compute dtype of the model); ``position_ids``
+    shaped like ``input_ids`` (None: positions 0..L-1)."""
     model = merge(graphdef, params)
     _expect(model, BertForMaskedLM, "mlm_logits")
     ids, mask, types, single = _batched(input_ids, attention_mask, token_type_ids)
     if masked_positions is not None and single:
         masked_positions = jnp.asarray(masked_positions)[None]
-    logits = model(ids, mask, types, dropout_rng=dropout_rng, masked_positions=masked_positions).logits
+    positions = _batched_like(position_ids, single)
+    logits = model(
+        ids, mask, types, dropout_rng=dropout_rng, masked_positions=masked_positions, position_ids=positions
+    ).logits
     return logits[0] if single else logits
 
 
@@ -137,12 +142,14 @@ def classifier_logits(
     attention_mask: jax.Array | None = None,
     token_type_ids: jax.Array | None = None,
     dropout_rng: jax.Array | None = None,
+    *,
+    position_ids: jax.Array | None = None,
 ) -> jax.Array:
     """Logits [B, num_labels] of a ``BertForSequenceClassification`` (num_labels == 1: regression)."""
     model = merge(graphdef, params)
     _expect(model, BertForSequenceClassification, "classifier_logits")
     ids, mask, types, single = _batched(input_ids, attention_mask, token_type_ids)
-    logits = model(ids, mask, types, dropout_rng=dropout_rng).logits
+    logits = model(ids, mask, types, dropout_rng=dropout_rng, position_ids=_batched_like(position_ids, single)).logits
     return logits[0] if single else logits
 
 
@@ -153,10 +160,13 @@ def hidden_states(
     attention_mask: jax.Array | None = None,
     token_type_ids: jax.Array | None = None,
     dropout_rng: jax.Array | None = None,
+    *,
+    position_ids: jax.Array | None = None,
 ) -> jax.Array:
     """Last encoder layer [B, L, H] of any dpbert BERT (the encoder of a model with a head)."""
     model = merge(graphdef, params)
     encoder = model if isinstance(model, BertModel) else model.bert
     ids, mask, types, single = _batched(input_ids, attention_mask, token_type_ids)
-    states = encoder(ids, mask, types, dropout_rng=dropout_rng).last_hidden_state
+    positions = _batched_like(position_ids, single)
+    states = encoder(ids, mask, types, dropout_rng=dropout_rng, position_ids=positions).last_hidden_state
     return states[0] if single else states

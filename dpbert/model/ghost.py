@@ -70,7 +70,7 @@ class _Taps(bert.Tap):
         kind = self.taps.get(name)
         if kind is None:
             return y
-        return self.tape(name, y, None if isinstance(kind, Bias | Positions) else x)
+        return self.tape(name, y, None if isinstance(kind, Bias) else x)
 
     def dense(self, name: str, layer: nnx.Linear, x: jax.Array) -> jax.Array:
         name = self.prefix + name
@@ -93,8 +93,9 @@ class _Taps(bert.Tap):
     def embed(self, name: str, table: jax.Array, ids: jax.Array) -> jax.Array:
         return self._record(self.prefix + name, super().embed(name, table, ids), ids)
 
-    def positions(self, name: str, table: jax.Array, length: int) -> jax.Array:
-        return self._record(self.prefix + name, super().positions(name, table, length))
+    def positions(self, name: str, table: jax.Array, length: int, ids: jax.Array | None = None) -> jax.Array:
+        # A Positions tap's input is its position ids (None: rows 0..L-1).
+        return self._record(self.prefix + name, super().positions(name, table, length, ids), ids)
 
 
 def _name(path: Path) -> str:
@@ -176,8 +177,15 @@ def _tapped_encoder(
     types = jnp.zeros_like(ids) if types is None else batched(types)
     mask = example.get("attention_mask")
     mask = bert.attention_mask_4d(None if mask is None else batched(mask))
+    positions = example.get("position_ids")
     embed_taps = _Taps(tape, _group_taps(groups, REST), _name(_EMBEDDINGS) + "/")
-    x = encoder.embeddings(ids, types, bert.fold_key(rng, bert.SITE_EMBEDDINGS), embed_taps)
+    x = encoder.embeddings(
+        ids,
+        types,
+        bert.fold_key(rng, bert.SITE_EMBEDDINGS),
+        embed_taps,
+        position_ids=None if positions is None else batched(positions),
+    )
     layer_taps = _group_taps(groups, LAYERS)
 
     def body(layer: Any, x: jax.Array, i: jax.Array, z_i: Any) -> tuple[jax.Array, Any]:
@@ -226,7 +234,8 @@ class MLMGhostLoss(_BertGhostLoss):
     """Per-example masked-LM loss of a dpbert `BertForMaskedLM`, with ghost clipping support.
 
     `example` holds `input_ids` [L], `masked_positions` [P], `labels` [P], `label_weights` [P]
-    and optionally `attention_mask` [L] and `token_type_ids` [L] (zeros when absent); a
+    and optionally `attention_mask` [L], `token_type_ids` [L] (zeros when absent) and
+    `position_ids` [L] (absent: 0..L-1); a
     document holds K sequences of each ([K, L], [K, P]) and `sequence_padding` [K], and its loss
     is the sum of its real sequences' losses. `loss_from_logits(logits [P, V], example) ->
     scalar` defaults to the weighted mean cross-entropy. `layer_mode` ("mixed", "ghost" or
@@ -298,8 +307,8 @@ class ClassifierGhostLoss(_BertGhostLoss):
     head, LoRA factors + head, the head alone). Only the trained parameters have taps, so the
     clipped sum is over them alone, as the vmap path's gradient of the same function.
 
-    `example` holds `input_ids` [L], `attention_mask` [L], `token_type_ids` [L] and `labels`
-    (a scalar); `loss_from_logits(logits [num_labels], example) -> scalar` defaults to the
+    `example` holds `input_ids` [L], `attention_mask` [L], `token_type_ids` [L], `labels`
+    (a scalar) and optionally `position_ids` [L]; `loss_from_logits(logits [num_labels], example) -> scalar` defaults to the
     cross-entropy (pass a squared error for a regression task). The logits are those of
     `functional.classifier_logits` on the merged parameters with the same dropout key.
     `layer_mode` as `MLMGhostLoss`. `frozen` takes no part in comparisons or the hash (its

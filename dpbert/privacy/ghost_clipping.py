@@ -75,8 +75,9 @@ class Lookup:
 
 @dataclasses.dataclass(frozen=True)
 class Positions:
-    """y[..., l, :] = table[l] for l < L (position embeddings): no input, output [..., L, d];
-    the leading axes (e.g. the sequences of a document) all add to the same rows."""
+    """Position embeddings, output [..., L, d]. Input None: y[..., l, :] = table[l] for l < L,
+    the leading axes (e.g. the sequences of a document) all adding to the same rows. Input int
+    position ids [..., L]: y = table[ids], clipped exactly as a `Lookup` of those ids."""
 
     table: Path
 
@@ -329,7 +330,7 @@ def _group_sq_norms(
                 per_example[tap.bias] = jnp.sum(g, axis=1)
         elif isinstance(tap, Bias):
             per_example[tap.bias] = jnp.sum(_flat(g), axis=1)
-        elif isinstance(tap, Lookup):
+        elif isinstance(tap, Lookup) or inputs[name] is not None:  # a Lookup, or Positions with ids
             ids, g = inputs[name].reshape(m, -1), _flat(g)
             n_rows = group.shapes[tap.table][0]
             if _lookup_instantiated(ids, n_rows):
@@ -372,7 +373,7 @@ def _group_weighted_sums(
                 add(tap.kernel, _weighted_outer(a, g, w, tap.transposed))
             elif _kernels_transposed(a, g) != tap.transposed:
                 out[tap.kernel] = out[tap.kernel].T
-        elif isinstance(tap, Lookup):
+        elif isinstance(tap, Lookup) or (isinstance(tap, Positions) and inputs[name] is not None):
             ids, g = inputs[name].reshape(g.shape[0], -1), _flat(g)
             shape = group.shapes[tap.table]
             if not _lookup_instantiated(ids, shape[0]):

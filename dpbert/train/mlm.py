@@ -1,8 +1,9 @@
 """The masked-LM task of pretraining: dynamic masking, the per-example loss the DP core clips
 (plain, or with layer taps for ghost clipping), and held-out scoring.
 
-Guarantees: the masks of step t derive from `example_mask_key(masking_key, t, store index)`
-only, so a replayed step masks identically; held-out scoring masks with a fixed public key, the
+Guarantees: the masks (and, with `data.random_position_offsets`, the position offsets) of step t
+derive from `example_mask_key(masking_key, t, store index)` only, so a replayed step masks
+identically; held-out scoring masks with a fixed public key, the
 same for every run, so private and non-private runs are scored on identical positions. The MLM
 head decodes `max_predictions` positions per example: the number `mask_tokens` selects in a
 full sequence, an exact bound (no selected token goes unscored).
@@ -22,7 +23,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from dpbert.config.recipe import Recipe
-from dpbert.data.masking import example_mask_key, mask_tokens, num_to_mask
+from dpbert.data.masking import example_mask_key, example_position_offset, mask_tokens, num_to_mask
 from dpbert.data.store import TokenStore
 from dpbert.model import functional
 from dpbert.model.ghost import MLMGhostLoss
@@ -48,9 +49,17 @@ def make_masker(
     pad_id: int,
     mask_prob: float,
     num_predictions: int,
+    max_position_offset: int = 0,
 ) -> Callable[[jax.Array, jax.Array, jax.Array, jax.Array], dict[str, jax.Array]]:
     """`(run_key, step, store_index, input_ids [L]) -> model inputs and MLM targets` for ONE
-    example, masked with `example_mask_key(run_key, step, store_index)`. Pure; vmap it."""
+    example, masked with `example_mask_key(run_key, step, store_index)`. Pure; vmap it.
+
+    With `max_position_offset` > 0 the inputs also hold `position_ids` [L] = o + 0..L-1, o the
+    example's `example_position_offset` (uniform on 0..max_position_offset), so that training on
+    short sequences reaches every row of a longer position table; 0: no `position_ids`
+    (positions 0..L-1, the model's default)."""
+    if max_position_offset < 0:
+        raise ValueError(f"max_position_offset: expected an integer >= 0, got {max_position_offset!r}")
 
     def masker(run_key: jax.Array, step: jax.Array, index: jax.Array, ids: jax.Array) -> dict[str, jax.Array]:
         masked, labels, weights = mask_tokens(
@@ -63,13 +72,17 @@ def make_masker(
         )
         (positions,) = jnp.nonzero(weights, size=num_predictions, fill_value=0)
         # Position 0 is [CLS], never selected: filler slots read weight 0 there.
-        return {
+        x = {
             "input_ids": masked,
             "attention_mask": (ids != pad_id).astype(jnp.int32),
             "masked_positions": positions.astype(jnp.int32),
             "labels": labels[positions],
             "label_weights": weights[positions],
         }
+        if max_position_offset:
+            offset = example_position_offset(run_key, step, index, max_position_offset)
+            x["position_ids"] = offset + jnp.arange(ids.shape[-1], dtype=jnp.int32)
+        return x
 
     return masker
 
@@ -91,6 +104,7 @@ def make_loss_fn(
             None,
             rng,
             masked_positions=x["masked_positions"],
+            position_ids=x.get("position_ids"),
         )
         ce = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), x["labels"])
         w = x["label_weights"]
@@ -136,7 +150,8 @@ def make_eval_fn(
     """Jitted held-out scoring of a batch (rows with `valid` False count for nothing):
     sums of correct predictions, cross-entropy and masked tokens, and the correct predictions
     of the unigram baseline (`unigram_token` predicted everywhere) on the same masked positions.
-    Masks with the fixed eval key, so every run and every call scores the same masks.
+    Masks with the fixed eval key, so every run and every call scores the same masks, at
+    positions 0..L-1 (a masker's training position offsets are not applied).
 
     Every selected position is shown as [MASK], as fill-mask shows it: training's 10% of selected
     tokens left unchanged would otherwise score a model that copies its input, which a small
@@ -148,6 +163,7 @@ def make_eval_fn(
         params: Any, indices: jax.Array, input_ids: jax.Array, valid: jax.Array, unigram_token: jax.Array
     ) -> dict[str, jax.Array]:
         x = jax.vmap(masker, in_axes=(None, None, 0, 0))(eval_key, 0, indices, input_ids)
+        # No position_ids: held-out scoring is at offset 0, as inputs are seen after release.
         logits = functional.mlm_logits(
             graphdef,
             params,

@@ -436,6 +436,7 @@ def build_setup(
         vocab_size=config.vocab_size,
         mask_prob=recipe.data.mask_prob,
         num_predictions=max_predictions(seq_len, recipe.data.mask_prob),
+        max_position_offset=max_position_offset(recipe, config, seq_len),
         **token_ids,
     )
     return Setup(
@@ -449,6 +450,12 @@ def build_setup(
         stage_keys=stage_keys,
         loss_fn=make_mlm_loss(recipe, abstract.graphdef, masker, masking_key),
     )
+
+
+def max_position_offset(recipe: Recipe, config: Any, seq_len: int) -> int:
+    """The largest training position offset: config.max_position_embeddings - seq_len with
+    `data.random_position_offsets`, else 0 (every example at positions 0..seq_len-1)."""
+    return max(config.max_position_embeddings - seq_len, 0) if recipe.data.random_position_offsets else 0
 
 
 def _train(
