@@ -54,7 +54,9 @@ def main() -> None:
     p.add_argument("--confidence", type=float, default=0.95)
     args = p.parse_args()
     q = sampling_rate(args.batch, args.dataset_size)
-    print(f"ideal one-run audit: {args.steps} steps, q = {q:.5f}, delta {args.delta:g}, {args.confidence:.0%} confidence")
+    print(
+        f"ideal one-run audit: {args.steps} steps, q = {q:.5f}, delta {args.delta:g}, {args.confidence:.0%} confidence"
+    )
     print("| epsilon | sigma | canaries | seed | Steinke | f-DP | f-DP guesses (correct) | seconds |")
     print("| ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: |")
     for eps in args.target_epsilon:
