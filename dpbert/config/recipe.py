@@ -274,6 +274,9 @@ class OptimizerConfig:
     `end_learning_rate_fraction * learning_rate` at the last step of the schedule.
     `ema_decay`: keep a moving average of the parameters with this decay, evaluate and release it
     (post-processing: no privacy cost); null: release the last iterate.
+    `noise_variance_correction`: DP-AdamBC (Tang et al. 2024; `dpbert.privacy.adam_bc`): Adam's
+    second moment less the variance (sigma C / B)^2 that each stage's noise adds to it, floored at
+    `noise_variance_floor`; private runs only, post-processing (the ledger does not change).
     """
 
     name: Literal["adamw"] = "adamw"
@@ -286,9 +289,12 @@ class OptimizerConfig:
     decay: Literal["linear", "cosine", "constant"] = "linear"
     end_learning_rate_fraction: float = 0.0
     ema_decay: float | None = None
+    noise_variance_correction: bool = False
+    noise_variance_floor: float = 1e-8
 
     def __post_init__(self) -> None:
         _check(self.learning_rate > 0, "learning_rate", "a positive number", self.learning_rate)
+        _check(self.noise_variance_floor > 0, "noise_variance_floor", "a positive number", self.noise_variance_floor)
         _check(
             self.ema_decay is None or 0.0 < self.ema_decay < 1.0,
             "ema_decay",
@@ -450,6 +456,12 @@ class Recipe:
             mpe,
         )
         _check_dp_vocabulary_budget(self.data, self.privacy)
+        _check(
+            self.privacy.enabled or not self.optimizer.noise_variance_correction,
+            "optimizer.noise_variance_correction",
+            "false in a non-private run (privacy.enabled: false: there is no noise to correct for)",
+            self.optimizer.noise_variance_correction,
+        )
         _check(
             self.optimizer.warmup_steps < self.total_steps,
             "optimizer.warmup_steps",

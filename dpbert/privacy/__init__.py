@@ -5,6 +5,7 @@ It sees a pure `loss_fn(params, example, rng) -> scalar` and a params pytree, ne
 - `clipped_grad_sum` (clipping): per-example clipped *sum*, micro-batched; sensitivity clip_norm.
 - `privatize` (noise): Gaussian noise once on the global sum, divided by the expected batch size.
 - `make_dp_train_step` / `make_train_step` (dp_step): jitted steps, optionally on a data mesh.
+- `adam_bc` (adam_bc): DP-AdamBC, Adam's second moment less the noise variance (post-processing).
 - `poisson_sample`, `physical_batch_size` (sampling): Poisson sampling padded to a static shape.
 - `Stage`, `BatchSchedule` (schedule): the increasing batch-size schedule.
 - `compute_epsilon`, `calibrate_noise_multiplier`, `PrivacyLedger` (accounting).

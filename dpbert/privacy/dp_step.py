@@ -26,6 +26,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from dpbert.privacy.adam_bc import adam_bc
 from dpbert.privacy.clipping import ClipStats, LossFn, clipped_grad_sum, grad_sum
 from dpbert.privacy.ghost_clipping import GhostLoss, ghost_clipped_grad_sum
 from dpbert.privacy.noise import check_dp_params, privatize
@@ -56,14 +57,26 @@ def default_optimizer(
     b2: float = 0.999,
     eps: float = 1e-8,
     ema_decay: float | None = None,
+    noise_variance: optax.Schedule | None = None,
+    noise_variance_floor: float = 1e-8,
 ) -> optax.GradientTransformation:
     """The optimizer of every dpbert task: AdamW with decoupled weight decay on every trained
     parameter (optax.adamw; Anil et al. found a large decay helps under DP).
 
+    With `noise_variance` (step -> per-coordinate variance of the noise in that step's averaged
+    gradient, `dpbert.privacy.adam_bc.noise_variance_schedule`), DP-AdamBC instead: the second
+    moment less the noise variance, floored at `noise_variance_floor` (post-processing: no privacy
+    cost).
+
     With `ema_decay`, the state also keeps the debiased exponential moving average of the
     parameters after each update (`ema_params`): post-processing of the noisy iterates, so it
     costs no privacy (De et al. 2022 report a large gain under DP)."""
-    tx = optax.adamw(learning_rate, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay)
+    if noise_variance is None:
+        tx = optax.adamw(learning_rate, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay)
+    else:
+        tx = adam_bc(
+            learning_rate, noise_variance, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay, floor=noise_variance_floor
+        )
     if ema_decay is None:
         return tx
     if not 0.0 < ema_decay < 1.0:

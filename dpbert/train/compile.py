@@ -29,6 +29,7 @@ from dpbert.model.bert import unrolled_layers
 from dpbert.privacy import randomness
 from dpbert.privacy.documents import SEQUENCE_PADDING
 from dpbert.privacy.dp_step import apply_update, dp_update
+from dpbert.privacy.schedule import BatchSchedule, Stage
 from dpbert.train.engine import device_batch_size
 from dpbert.train.mesh import batch_sharding, bytes_per_device, replicated
 from dpbert.train.pretrain import build_setup
@@ -164,6 +165,12 @@ def _compile_pair(
     # Keys typed as the trainer's (Threefry-4x32 from a secret when private); a throwaway secret,
     # since compiling depends on the key's type only.
     secret = randomness.draw_secret() if r.privacy.enabled else None
+    # Placeholder noise multipliers, as the step's below (they are constants of the program only).
+    schedule = BatchSchedule(
+        stages=tuple(
+            Stage(steps=s.steps, expected_batch_size=s.expected_batch_size, noise_multiplier=1.0) for s in r.schedule
+        )
+    )
     setup = build_setup(
         r,
         mesh,
@@ -172,6 +179,7 @@ def _compile_pair(
         token_ids=_PLACEHOLDER_IDS,
         secret=secret,
         mechanism="pretrain",
+        schedule=schedule,
     )
     abstract, optimizer = setup.abstract, setup.optimizer
     params_sh, opt_sh = abstract.shardings

@@ -39,6 +39,7 @@ from dpbert.privacy.documents import SEQUENCE_PADDING
 from dpbert.privacy.dp_step import StepFn, ema_params, make_dp_train_step, make_train_step
 from dpbert.privacy.randomness import SECRET_FILE, RunSecret, mechanism_key, read_secret
 from dpbert.privacy.sampling import check_document_offsets
+from dpbert.privacy.schedule import BatchSchedule
 from dpbert.release.export import AUDIT_RUN_FILE, RANDOMNESS_FILE
 from dpbert.train import distributed
 from dpbert.train.checkpoint import CheckpointStore
@@ -261,10 +262,20 @@ def state_fingerprints(recipe: Recipe, manifest: Any, n_train: int) -> dict[str,
         # remat trades memory for compute and changes no result: a resume may switch it.
         "model": fingerprint({k: v for k, v in recipe_to_dict(recipe)["model"].items() if k != "remat"}),
         "data": f"{manifest.tokenizer_fingerprint[:16]}/{manifest.corpus_sha256[:16]}/{n_train}/{manifest.seq_len}",
-        "optimizer": fingerprint(recipe_to_dict(recipe)["optimizer"]),
+        "optimizer": fingerprint(_optimizer_record(recipe)),
         "seed": str(recipe.train.seed),
         "private": str(recipe.privacy.enabled),
     }
+
+
+def _optimizer_record(recipe: Recipe) -> dict[str, Any]:
+    """The optimizer section as a checkpoint depends on it: without DP-AdamBC its two fields are
+    left out, so that checkpoints written before they existed still resume."""
+    record = recipe_to_dict(recipe)["optimizer"]
+    if not recipe.optimizer.noise_variance_correction:
+        for name in ("noise_variance_correction", "noise_variance_floor"):
+            del record[name]
+    return record
 
 
 def _shared_secret(ckpt_dir: Path, *, resume: bool, supplied: str | os.PathLike[str] | None) -> RunSecret:
@@ -417,6 +428,7 @@ def build_setup(
     token_ids: dict[str, Any],
     secret: RunSecret | None,
     mechanism: str,
+    schedule: BatchSchedule | None = None,
 ) -> Setup:
     """The `Setup` of `recipe` on `mesh` for a model `config` (`bert_config`).
 
@@ -425,11 +437,13 @@ def build_setup(
       token_ids: `mask_token_id`, `special_token_ids` and `pad_id` of the vocabulary.
       secret: the run's secret (private runs; None for a non-private run, whose keys come from
         `train.seed`); `mechanism` names the purpose the keys are derived for.
+      schedule: the plan's schedule (its noise multipliers), which DP-AdamBC needs
+        (`optimizer.noise_variance_correction`); otherwise unused.
     Returns:
       `Setup`: the abstract state and its shardings, the optimizer, the masker, the keys, the loss,
       and `stage_step` to build each stage's jitted step.
     """
-    optimizer = make_optimizer(recipe)
+    optimizer = make_optimizer(recipe, schedule)
     abstract = abstract_state(recipe, config, optimizer, mesh)
     masking_key, stage_keys = run_keys(recipe, secret, mechanism)
     masker = make_masker(
@@ -616,6 +630,7 @@ def pretrain(
         token_ids=_token_ids(manifest),
         secret=secret,
         mechanism=mechanism,
+        schedule=plan.schedule,
     )
     mb = recipe.train.microbatch_size
     device_batches = tuple(device_batch_size(b, mesh.devices.size, mb) for b in plan.physical_batch_sizes)

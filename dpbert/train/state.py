@@ -3,7 +3,7 @@
 `TrainState`: `params` and `opt_state` are the array leaves (what jit and Orbax see); `step` (the
 number of completed steps) and `ledger_json` (the privacy ledger as canonical JSON text, or the
 literal non-private record) are static metadata, so the ledger travels with the arrays it
-describes. From a recipe: the `BertConfig`, the AdamW optimizer on the recipe's schedule, the
+describes. From a recipe: the `BertConfig`, the AdamW (or DP-AdamBC) optimizer on the recipe's schedule, the
 abstract state placed in the mesh's shardings, the state created (or loaded) directly in them,
 and the run's keys (from the secret by domain separation when private).
 """
@@ -25,8 +25,10 @@ from transformers import BertConfig
 from dpbert.config.recipe import Recipe
 from dpbert.model import functional
 from dpbert.model.bert import BertForMaskedLM
+from dpbert.privacy.adam_bc import noise_variance_schedule
 from dpbert.privacy.dp_step import default_optimizer
 from dpbert.privacy.randomness import RunSecret, mechanism_key
+from dpbert.privacy.schedule import BatchSchedule
 from dpbert.train import distributed
 from dpbert.train.mesh import state_shardings
 
@@ -91,11 +93,28 @@ def bert_config(recipe: Recipe, tokenizer_vocab_size: int | None = None) -> Any:
     )
 
 
-def make_optimizer(recipe: Recipe) -> optax.GradientTransformation:
-    """The recipe's AdamW (`dpbert.privacy.dp_step.default_optimizer`) on its learning-rate schedule."""
+def make_optimizer(recipe: Recipe, schedule: BatchSchedule | None = None) -> optax.GradientTransformation:
+    """The recipe's AdamW (`dpbert.privacy.dp_step.default_optimizer`) on its learning-rate schedule;
+    with `optimizer.noise_variance_correction`, DP-AdamBC for the noise of `schedule` (the plan's:
+    each stage's noise multiplier and expected batch size, with `privacy.clip_norm`)."""
     o = recipe.optimizer
+    noise_variance = None
+    if o.noise_variance_correction:
+        if schedule is None:
+            raise ValueError(
+                "recipe field 'optimizer.noise_variance_correction': the optimizer needs the plan's schedule "
+                "(each stage's noise multiplier)"
+            )
+        noise_variance = noise_variance_schedule(schedule, recipe.privacy.clip_norm)
     return default_optimizer(
-        learning_rate(recipe), weight_decay=o.weight_decay, b1=o.b1, b2=o.b2, eps=o.eps, ema_decay=o.ema_decay
+        learning_rate(recipe),
+        weight_decay=o.weight_decay,
+        b1=o.b1,
+        b2=o.b2,
+        eps=o.eps,
+        ema_decay=o.ema_decay,
+        noise_variance=noise_variance,
+        noise_variance_floor=o.noise_variance_floor,
     )
 
 

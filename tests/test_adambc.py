@@ -1,0 +1,170 @@
+"""DP-AdamBC (`dpbert.privacy.adam_bc`): optax.adamw without noise, the noise variance phi_hat of
+a two-stage schedule against numpy, the floor, the recipe's validation and wiring, and a tiny DP
+run whose ledger is the one planned without the correction."""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+import yaml
+from tiny_run import seed_file, write_recipe
+
+from dpbert.config.plan import plan_recipe
+from dpbert.config.recipe import RecipeError, load_recipe, load_recipe_dict, recipe_to_dict
+from dpbert.data.store import TokenStore
+from dpbert.privacy.adam_bc import ScaleByAdamBCState, adam_bc, noise_variance_schedule, scale_by_adam_bc
+from dpbert.privacy.schedule import BatchSchedule, Stage
+from dpbert.train.engine import fingerprint
+from dpbert.train.pretrain import pretrain, state_fingerprints
+from dpbert.train.state import make_optimizer
+
+# Two stages: 3 steps of B = 4 at sigma 1.5, then 4 steps of B = 16 at sigma 0.8; C = 0.5.
+TWO_STAGES = BatchSchedule(
+    stages=(
+        Stage(steps=3, expected_batch_size=4, noise_multiplier=1.5),
+        Stage(steps=4, expected_batch_size=16, noise_multiplier=0.8),
+    )
+)
+CLIP = 0.5
+
+
+def _params_and_grads(steps: int, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    params = {"w": jnp.asarray(rng.normal(size=(5, 3)), jnp.float32), "b": jnp.asarray(rng.normal(size=3), jnp.float32)}
+    # Gradients of magnitude 0.1..1: Adam's v_hat stays far above the default floor 1e-8.
+    grads = [
+        jax.tree_util.tree_map(
+            lambda p: jnp.asarray(rng.choice([-1, 1], p.shape) * rng.uniform(0.1, 1.0, p.shape), jnp.float32), params
+        )
+        for _ in range(steps)
+    ]
+    return params, grads
+
+
+def _run(tx, params, grads):
+    state = tx.init(params)
+    out = []
+    for g in grads:
+        updates, state = jax.jit(tx.update)(g, state, params)
+        params = optax.apply_updates(params, updates)
+        out.append(updates)
+    return out, state
+
+
+def test_without_noise_it_is_adamw_with_weight_decay_and_a_schedule():
+    params, grads = _params_and_grads(7)
+    lr = optax.linear_schedule(1e-2, 1e-3, 7)
+    zero = BatchSchedule(
+        stages=tuple(
+            Stage(steps=s.steps, expected_batch_size=s.expected_batch_size, noise_multiplier=0.0)
+            for s in TWO_STAGES.stages
+        )
+    )
+    got, _ = _run(adam_bc(lr, noise_variance_schedule(zero, CLIP), weight_decay=0.1, b2=0.99), params, grads)
+    want, _ = _run(optax.adamw(lr, weight_decay=0.1, b2=0.99), params, grads)
+    for a, b in zip(got, want, strict=True):
+        jax.tree_util.tree_map(lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-6, atol=1e-9), a, b)
+
+
+def test_noise_variance_of_two_stages_against_numpy():
+    b1, b2, eps, floor = 0.9, 0.9, 1e-8, 1e-8
+    phi_steps = [(1.5 * CLIP / 4) ** 2] * 3 + [(0.8 * CLIP / 16) ** 2] * 4
+    schedule = noise_variance_schedule(TWO_STAGES, CLIP)
+    np.testing.assert_allclose(
+        [float(schedule(jnp.int32(t))) for t in range(9)], phi_steps + phi_steps[-1:] * 2, rtol=1e-6
+    )
+    # Gradients near the noise level of each stage, so that v_hat - phi_hat is sometimes below the floor.
+    rng = np.random.default_rng(3)
+    grads = [{"w": jnp.asarray(rng.normal(0, 2 * np.sqrt(p), 6), jnp.float32)} for p in phi_steps]
+    params = {"w": jnp.zeros(6, jnp.float32)}
+    tx = scale_by_adam_bc(schedule, b1=b1, b2=b2, eps=eps, floor=floor)
+    state = tx.init(params)
+    m = v = np.zeros(6)
+    phi = 0.0
+    for t, (g, phi_t) in enumerate(zip(grads, phi_steps, strict=True), start=1):
+        updates, state = tx.update(g, state, params)
+        g = np.asarray(g["w"], np.float64)
+        m, v = b1 * m + (1 - b1) * g, b2 * v + (1 - b2) * g**2
+        phi = b2 * phi + (1 - b2) * phi_t
+        phi_hat = phi / (1 - b2**t)
+        np.testing.assert_allclose(float(state.phi) / (1 - b2**t), phi_hat, rtol=1e-5)
+        want = m / (1 - b1**t) / (np.sqrt(np.maximum(v / (1 - b2**t) - phi_hat, floor)) + eps)
+        np.testing.assert_allclose(np.asarray(updates["w"]), want, rtol=1e-4)
+    # One stage: phi_hat is that stage's phi exactly (the bias correction undoes the EMA's start).
+    one = scale_by_adam_bc(noise_variance_schedule(BatchSchedule(stages=TWO_STAGES.stages[:1]), CLIP), b2=b2)
+    state = one.init(params)
+    for g in grads[:3]:
+        _, state = one.update(g, state, params)
+    np.testing.assert_allclose(float(state.phi) / (1 - b2**3), phi_steps[0], rtol=1e-6)
+
+
+def test_floor_bounds_the_denominator():
+    # Gradients far below the noise level: v_hat - phi_hat < 0, the floor takes over.
+    schedule = noise_variance_schedule(TWO_STAGES, CLIP)
+    g = {"w": jnp.full(4, 1e-3, jnp.float32)}
+    for floor in (1e-4, 1e-2):
+        tx = scale_by_adam_bc(schedule, floor=floor, eps=1e-8)
+        updates, _ = tx.update(g, tx.init({"w": jnp.zeros(4)}), None)
+        # Step 1: m_hat = g, so the update is g / (sqrt(floor) + eps).
+        np.testing.assert_allclose(np.asarray(updates["w"]), 1e-3 / (np.sqrt(floor) + 1e-8), rtol=1e-6)
+    with pytest.raises(ValueError, match="floor"):
+        scale_by_adam_bc(schedule, floor=0.0)
+    with pytest.raises(ValueError, match="clip_norm"):
+        noise_variance_schedule(TWO_STAGES, 0.0)
+
+
+RECIPE = {
+    "schedule": [{"steps": 3, "expected_batch_size": 8}, {"steps": 2, "expected_batch_size": 32}],
+    "privacy": {"noise_multiplier": 1.1, "delta": 1e-5, "dataset_size": 1000, "clip_norm": 0.5},
+}
+
+
+def test_recipe_fields_are_validated_and_named():
+    on = load_recipe_dict(RECIPE, ["optimizer.noise_variance_correction=true", "optimizer.noise_variance_floor=1e-6"])
+    assert on.optimizer.noise_variance_correction and on.optimizer.noise_variance_floor == 1e-6
+    with pytest.raises(RecipeError, match="optimizer.noise_variance_correction") as err:
+        load_recipe_dict(RECIPE, ["optimizer.noise_variance_correction=true", "privacy.enabled=false"])
+    assert err.value.field == "optimizer.noise_variance_correction"
+    for bad in ("0", "-1e-8"):
+        with pytest.raises(RecipeError, match="optimizer.noise_variance_floor"):
+            load_recipe_dict(RECIPE, [f"optimizer.noise_variance_floor={bad}"])
+    # The optimizer needs the plan's noise multipliers; given them, its state keeps phi.
+    with pytest.raises(ValueError, match="optimizer.noise_variance_correction"):
+        make_optimizer(on)
+    plan = plan_recipe(on)
+    state = make_optimizer(on, plan.schedule).init({"w": jnp.zeros(3)})
+    assert isinstance(state[0], ScaleByAdamBCState)
+    # Off, the checkpoint fingerprint is the one written before the fields existed.
+    manifest = type("M", (), {"tokenizer_fingerprint": "t" * 16, "corpus_sha256": "c" * 16, "seq_len": 128})
+    off = load_recipe_dict(RECIPE)
+    assert state_fingerprints(off, manifest, 1000)["optimizer"] != state_fingerprints(on, manifest, 1000)["optimizer"]
+    before = {k: v for k, v in recipe_to_dict(off)["optimizer"].items() if not k.startswith("noise_variance")}
+    assert state_fingerprints(off, manifest, 1000)["optimizer"] == fingerprint(before)
+
+
+def test_the_correction_changes_neither_plan_nor_ledger(tmp_path):
+    off, on = load_recipe_dict(RECIPE), load_recipe_dict(RECIPE, ["optimizer.noise_variance_correction=true"])
+    assert plan_recipe(on).ledger.to_dict() == plan_recipe(off).ledger.to_dict()
+    # A tiny DP run with the correction: its ledger is the plan of the same recipe without it.
+    path = write_recipe(tmp_path)
+    raw = yaml.safe_load(path.read_text())
+    raw["optimizer"]["noise_variance_correction"] = True
+    raw["model"]["num_hidden_layers"] = 1
+    raw["data"]["seq_len"] = 16
+    raw["train"].update(microbatch_size=8, checkpoint_every=100)
+    path.write_text(yaml.safe_dump(raw))
+    result = pretrain(
+        path, tmp_path / "run", progress=False, log=lambda s: None, noise_seed_file=seed_file(tmp_path), release=False
+    )
+    assert result.steps_done == 2 and not result.stopped_early
+    stored = len(TokenStore.open(tmp_path / "store", "train"))
+    raw["optimizer"]["noise_variance_correction"] = False
+    path.write_text(yaml.safe_dump(raw))
+    planned = plan_recipe(load_recipe(path), stored).ledger_after(2)
+    assert json.loads((tmp_path / "run" / "privacy.json").read_text()) == planned
+    assert result.epsilon == pytest.approx(plan_recipe(load_recipe(path), stored).epsilon_after(2), rel=1e-12)
