@@ -245,11 +245,21 @@ def _add_finetune(sub: argparse._SubParsersAction) -> None:
 
 
 def _audit(args: argparse.Namespace) -> int:
-    """`dpbert audit`: run the audit, print its table (or JSON), add it to a release's card."""
+    """`dpbert audit`: run the audit, print its table (or JSON), add it to a release's card; exit 1
+    when SIGTERM stopped its training run (the audit stops whole: nothing scored)."""
     if args.canary_design is not None and args.kind != "input":
         raise ValueError(f"--canary-design: only meaningful with --kind input (got --kind {args.kind})")
-    if args.kind == "exposure":
-        return _exposure_audit(args)
+    from dpbert.train.audit import AuditStopped  # deferred: per subcommand, see the module docstring
+
+    try:
+        return _exposure_audit(args) if args.kind == "exposure" else _canary_audit(args)
+    except AuditStopped as err:
+        print(f"dpbert audit: stopped: {err}", file=sys.stderr)
+        return 1
+
+
+def _canary_audit(args: argparse.Namespace) -> int:
+    """`dpbert audit --kind input|gradient`: canaries, one training run (input), the bounds."""
     for flag, value in (("--secrets", args.secrets), ("--repetitions", args.repetitions)):
         if value is not None:
             raise ValueError(f"{flag}: only meaningful with --kind exposure (got --kind {args.kind})")

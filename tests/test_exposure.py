@@ -326,3 +326,45 @@ def test_exposure_audit_end_to_end_and_on_a_release_that_still_verifies(tmp_path
 
         add_audit(release, report)
     assert {p.name: p.read_bytes() for p in release.iterdir()} == before
+
+
+@pytest.mark.slow  # one real (tiny) pretraining run, stopped in its loop
+def test_a_stopped_audit_stops_whole(tmp_path, capsys):
+    """SIGTERM during the DP run: the run checkpoints, then the audit stops (exit 1, named), training no
+    twin and writing no audit.json."""
+    import os
+    import signal
+    import threading
+    import time
+
+    from dpbert import cli
+    from dpbert.train.metrics import read_metrics
+
+    out = tmp_path / "exposure"
+    metrics = out / "run" / "metrics.jsonl"
+    # Thousands of steps, logged at each: the signal lands long before the end, once the loop (and its
+    # SIGTERM handler) runs.
+    long = [s for s in _SHORT if not s.startswith("schedule")]
+    long += ["schedule=[{steps: 5000, expected_batch_size: 64}]", "train.log_every=1", f"data.store={tmp_path / 's'}"]
+
+    def stop_once_training() -> None:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            if metrics.is_file() and any(r["kind"] == "train" for r in read_metrics(metrics)):
+                os.kill(os.getpid(), signal.SIGTERM)
+                return
+            time.sleep(0.2)
+
+    killer = threading.Thread(target=stop_once_training, daemon=True)
+    killer.start()
+    argv = ["audit", _TINY, "--output-dir", str(out), "--kind", "exposure", "--secrets", "1", "--repetitions", "2"]
+    for s in long:
+        argv += ["--set", s]
+    assert cli.main(argv) == 1
+    killer.join()
+    err = capsys.readouterr().err
+    assert "dpbert audit: stopped: the audit's training run" in err and "no audit.json written" in err
+    steps = max(r["step"] for r in read_metrics(metrics) if r["kind"] == "train")
+    assert 1 <= steps < 5000 and f"at step {steps} of 5000" in err
+    assert (out / "run" / "checkpoints").is_dir() and not (out / "run_nonprivate").exists()
+    assert not (out / "audit.json").exists()

@@ -269,6 +269,11 @@ def audit_dataset_size(recipe: Recipe, n_train: int, extra_rows: int) -> list[st
     ]
 
 
+class AuditStopped(RuntimeError):
+    """SIGTERM stopped an audit's training run: the audit stops whole (nothing scored, no audit.json;
+    an audit does not resume: its next run starts in a fresh folder)."""
+
+
 def train_audit_run(
     recipe_path: str | os.PathLike[str],
     run_dir: Path,
@@ -288,7 +293,7 @@ def train_audit_run(
     audit run says what it is), which makes it unreleasable: the trainer writes no `release/` for it
     and `dpbert export` refuses it; its privacy.json is marked 'audit' too (unreadable as a release
     ledger). Keys: `mechanism` (default "audit/<kind>/run"). `noise_free`: the recipe's clipping without
-    noise (no ledger is written: nothing is claimed)."""
+    noise (no ledger is written: nothing is claimed). Raises `AuditStopped` when SIGTERM stopped the run."""
     run_dir.mkdir(parents=True, exist_ok=True)
     write_json(run_dir / AUDIT_RUN_FILE, {"audit": True, "kind": kind, **marker, "store": str(store)})
     run = pretrain(
@@ -301,6 +306,12 @@ def train_audit_run(
         mechanism=mechanism or f"audit/{kind}/run",
         noise_free=noise_free,
     )
+    if run.stopped_early:
+        raise AuditStopped(
+            f"the audit's training run in {run_dir} was stopped (SIGTERM) at step {run.steps_done} of "
+            f"{run.total_steps}; the audit stops here: nothing scored, no audit.json written (start it again in a "
+            "new --output-dir)"
+        )
     ledger_path = run_dir / "privacy.json"
     if not ledger_path.is_file():
         return run, None
