@@ -15,6 +15,7 @@ import optax
 import pytest
 from flax import nnx
 from transformers import BertConfig
+from xla import subprocess_env
 
 from dpbert.model import functional
 from dpbert.model.bert import BertForMaskedLM
@@ -318,17 +319,11 @@ def test_document_step_is_the_same_on_any_mesh_and_micro_batch():
     """Documents as units keep rule 2 of `dpbert.privacy`: the update (noise included) is the same for any micro-batch
     size and on 4 devices (fresh interpreter: the device count is fixed when jax starts)."""
     import json
-    import os
     import subprocess
     import sys
     from pathlib import Path
 
-    env = {
-        **os.environ,
-        "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
-        "JAX_PLATFORMS": "cpu",
-        "PYTHONPATH": str(Path(__file__).resolve().parents[1]),
-    }
+    env = {**subprocess_env(4), "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
     proc = subprocess.run([sys.executable, "-c", MESH_SCRIPT], env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 from hf_classifier import hf_dev_accuracy
 from test_glue import _synthetic_sst2, _tiny_model
+from xla import subprocess_env
 
 from dpbert import cli
 
@@ -243,7 +244,6 @@ def test_a_non_finite_loss_stops_fine_tuning_naming_the_step(tiny: Path) -> None
 
 def test_dp_finetune_on_eight_devices_equals_one_device(tiny: Path) -> None:
     """The engine's mesh: the same secret gives the same DP update on 1 and 8 (fake CPU) devices."""
-    import os
     import subprocess
     import sys
 
@@ -263,7 +263,7 @@ def test_dp_finetune_on_eight_devices_equals_one_device(tiny: Path) -> None:
     weights = {}
     for devices in (1, 8):
         out = tiny / f"mesh_{devices}"
-        env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}", "JAX_PLATFORMS": "cpu"}
+        env = subprocess_env(devices)
         argv = [sys.executable, "-c", script, str(tiny / "model"), str(tiny / "SST-2"), str(out), str(seed)]
         subprocess.run(argv, env=env, check=True, capture_output=True, timeout=600)
         weights[devices] = load_file(str(out / "model" / "model.safetensors"))

@@ -6,7 +6,6 @@ XLA_FLAGS set before jax is imported.
 """
 
 import json
-import os
 import socket
 import subprocess
 import sys
@@ -15,12 +14,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from xla import subprocess_env
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def run_python(code: str, devices: int, *args: str, timeout: int = 600) -> subprocess.CompletedProcess:
-    env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}", "JAX_PLATFORMS": "cpu"}
+    env = subprocess_env(devices)
     return subprocess.run(
         [sys.executable, "-c", code, *args], env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout
     )
@@ -148,7 +148,7 @@ def free_port() -> int:
 
 
 def test_two_processes_through_jax_distributed_match_one(tmp_path):
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu"}
+    env = subprocess_env(2)
     port, out = free_port(), tmp_path / "multi.json"
     procs = [
         subprocess.Popen(
@@ -185,7 +185,7 @@ def test_compile_only_bert_large_dp_on_8_fake_devices():
     16 heads, intermediate 4096, vocab 30522, seq 128, the last stage's physical batch of ~2.1M
     rows, micro-batches of 4 per device) from abstract arrays, with ONE encoder layer instead of
     24 so that XLA's CPU compile stays short (the 24-layer numbers are in the issue report)."""
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
+    env = subprocess_env(8)
     proc = subprocess.run(
         [
             sys.executable,

@@ -9,7 +9,6 @@ documents with their chosen sequences).
 from __future__ import annotations
 
 import json
-import os
 import socket
 import subprocess
 import sys
@@ -20,6 +19,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 from tiny_run import seed_file, write_recipe
+from xla import subprocess_env
 
 from dpbert.train.metrics import read_metrics
 from dpbert.train.pretrain import pretrain
@@ -37,7 +37,7 @@ def free_port() -> int:
 def runs(request, tmp_path_factory):
     root = tmp_path_factory.mktemp("multihost")
     recipe = write_recipe(root, checkpoint_every=1, unit=request.param)
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu"}
+    env = subprocess_env(2)
     port = free_port()
     procs = [
         subprocess.Popen(

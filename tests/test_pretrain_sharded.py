@@ -11,7 +11,6 @@ with XLA_FLAGS set before jax is imported; the 1-device run is this process's.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import textwrap
@@ -22,6 +21,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 from tiny_run import seed_file, write_recipe
+from xla import subprocess_env
 
 from dpbert.train.metrics import read_metrics
 from dpbert.train.pretrain import pretrain
@@ -51,7 +51,7 @@ def runs(tmp_path_factory):
     assert jax.device_count() == 1
     one_log: list[str] = []
     pretrain(recipe, root / "one", progress=False, log=one_log.append, noise_seed_file=seed_file(root))
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
+    env = subprocess_env(8)
     proc = subprocess.run(
         [sys.executable, "-c", EIGHT, str(recipe), str(root), str(seed_file(root))],
         env=env,

@@ -5,13 +5,13 @@ interpreter with XLA_FLAGS set before jax is imported (other test modules import
 """
 
 import json
-import os
 import subprocess
 import sys
 import textwrap
 
 import numpy as np
 import pytest
+from xla import subprocess_env
 
 SCRIPT = textwrap.dedent(
     """
@@ -68,9 +68,7 @@ SCRIPT = textwrap.dedent(
 
 @pytest.fixture(scope="module")
 def results():
-    env = dict(os.environ)
-    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
-    env["JAX_PLATFORMS"] = "cpu"
+    env = subprocess_env(8)
     proc = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT"))
