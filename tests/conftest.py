@@ -1,9 +1,8 @@
 """Settings for the whole test session, applied before any test module imports jax.
 
 XLA's CPU backend compiles at LLVM optimisation level 0: the suite compiles hundreds of small
-programs and runs most of them for a few steps, so compilation dominates (a 1-step pretraining run of
-tests/tiny_run.py: 26 s at the default level, 17 s at 0). Only codegen speed changes; programs that a
-test compares are compiled alike. Subprocesses keep the flag (`xla.subprocess_env`);
+programs and runs most of them for a few steps, so compilation dominates (docs/RESULTS.md, "The test
+suite"). Only codegen speed changes; programs that a test compares are compiled alike. Subprocesses keep the flag (`xla.subprocess_env`);
 `xla.default_codegen_env` drops it for one whose run time dominates."""
 
 import os
