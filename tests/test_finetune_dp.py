@@ -50,16 +50,17 @@ def test_dp_defaults_are_derived_printed_and_learn(tiny: Path) -> None:
 def test_nonprivate_defaults_are_derived_from_the_width_printed_and_recorded(tiny: Path) -> None:
     out = tiny / "out_nonprivate_defaults"
     printed = _run(["finetune", "--task", "sst2", "--model", str(tiny / "model"), "--data-dir", str(tiny / "SST-2"),
-                    "--output-dir", str(out), "--set", "max_seq_len=12", "--set", "nonprivate.epochs=1"])  # fmt: skip
+                    "--output-dir", str(out), "--set", "max_seq_len=12", "--set", "nonprivate.epochs=3"])  # fmt: skip
     result = json.loads((out / "metrics.json").read_text())
     derived = result["derived_defaults"]
     # Width 32: 2e-5 * 1024 / 32 = 6.4e-4 (under the 1e-3 cap); the given epochs are kept.
-    assert derived["learning_rate"] == pytest.approx(6.4e-4) and derived["epochs"] == 1.0
+    assert derived["learning_rate"] == pytest.approx(6.4e-4) and derived["epochs"] == 3.0
     assert derived["reasons"]["epochs"] == "given" and "width 32" in derived["reasons"]["learning_rate"]
     assert "non-private hyper-parameters derived from n=800 and the model's width 32" in printed
     assert f"learning_rate = 0.00064  ({derived['reasons']['learning_rate']})" in printed
     assert result["config"]["nonprivate"]["learning_rate"] == pytest.approx(6.4e-4)  # the recipe as run
-    assert result["dev"]["validation"]["accuracy"] > 0.75  # chance is 0.5
+    # 3 epochs reach 0.95 here; 1 epoch gave 0.77 on one CPU and 0.715 on another, too near any threshold.
+    assert result["dev"]["validation"]["accuracy"] > 0.85  # chance is 0.5
 
 
 def test_lora_sweep_release_is_merged_accounted_and_verifies(tiny: Path) -> None:
