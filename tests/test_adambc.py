@@ -143,7 +143,8 @@ def test_recipe_fields_are_validated_and_named():
     manifest = type("M", (), {"tokenizer_fingerprint": "t" * 16, "corpus_sha256": "c" * 16, "seq_len": 128})
     off = load_recipe_dict(RECIPE)
     assert state_fingerprints(off, manifest, 1000)["optimizer"] != state_fingerprints(on, manifest, 1000)["optimizer"]
-    before = {k: v for k, v in recipe_to_dict(off)["optimizer"].items() if not k.startswith("noise_variance")}
+    later = ("noise_variance_correction", "noise_variance_floor", "decay_matrices_only")
+    before = {k: v for k, v in recipe_to_dict(off)["optimizer"].items() if k not in later}
     assert state_fingerprints(off, manifest, 1000)["optimizer"] == fingerprint(before)
 
 
@@ -168,3 +169,36 @@ def test_the_correction_changes_neither_plan_nor_ledger(tmp_path):
     planned = plan_recipe(load_recipe(path), stored).ledger_after(2)
     assert json.loads((tmp_path / "run" / "privacy.json").read_text()) == planned
     assert result.epsilon == pytest.approx(plan_recipe(load_recipe(path), stored).epsilon_after(2), rel=1e-12)
+
+
+@pytest.mark.parametrize("correction", [False, True])
+def test_decay_matrices_only_spares_layernorm_gains_and_biases(correction):
+    """With `optimizer.decay_matrices_only`, a zero-gradient step of the real model's parameters shrinks
+    every kernel and embedding by lr * weight_decay and leaves LayerNorm gains and biases as they are;
+    without it every parameter decays (AdamW's and DP-AdamBC's chains alike)."""
+    from dpbert.train.mesh import make_mesh
+    from dpbert.train.state import abstract_state, bert_config, init_state
+
+    raw = {
+        **RECIPE,
+        "model": {"vocab_size": 64, "hidden_size": 16, "num_hidden_layers": 1, "num_attention_heads": 2,
+                  "intermediate_size": 32},
+        "data": {"seq_len": 16},
+        "optimizer": {"learning_rate": 0.1, "weight_decay": 0.5, "noise_variance_correction": correction},
+    }  # fmt: skip
+    for only in (False, True):
+        recipe = load_recipe_dict(raw, [f"optimizer.decay_matrices_only={str(only).lower()}"])
+        schedule = plan_recipe(recipe).schedule if correction else None
+        optimizer = make_optimizer(recipe, schedule)
+        abstract = abstract_state(recipe, bert_config(recipe), optimizer, make_mesh(devices=jax.devices()[:1]))
+        params, opt_state = init_state(recipe, abstract, optimizer)
+        params = jax.tree_util.tree_map(lambda p: p + 1.0, params)  # no zeros: biases start at 0
+        updates, _ = optimizer.update(jax.tree_util.tree_map(jnp.zeros_like, params), opt_state, params)
+        kinds = {2: [], 1: []}
+        for path, u in jax.tree_util.tree_leaves_with_path(updates):
+            kinds[min(u.ndim, 2)].append((jax.tree_util.keystr(path), np.abs(np.asarray(u)).max()))
+        assert len(kinds[2]) >= 5 and len(kinds[1]) >= 5
+        for name, largest in kinds[2]:  # Adam's step of a zero gradient is 0: the update is the decay alone
+            assert largest > 0, name
+        for name, largest in kinds[1]:
+            assert (largest == 0) if only else (largest > 0), name

@@ -272,6 +272,8 @@ class OptimizerConfig:
 
     Learning rate: linear warmup over `warmup_steps`, then `decay` to
     `end_learning_rate_fraction * learning_rate` at the last step of the schedule.
+    `decay_matrices_only`: decay only kernels and embeddings, not LayerNorm gains and biases (BERT's
+    exclusion; with a large decay under DP a noise-only gain would otherwise decay toward 0).
     `ema_decay`: keep a moving average of the parameters with this decay, evaluate and release it
     (post-processing: no privacy cost); null: release the last iterate.
     `noise_variance_correction`: DP-AdamBC (Tang et al. 2024; `dpbert.privacy.adam_bc`): Adam's
@@ -285,6 +287,7 @@ class OptimizerConfig:
     b2: float = 0.999
     eps: float = 1e-8
     weight_decay: float = 0.01
+    decay_matrices_only: bool = False
     warmup_steps: int = 0
     decay: Literal["linear", "cosine", "constant"] = "linear"
     end_learning_rate_fraction: float = 0.0

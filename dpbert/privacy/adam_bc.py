@@ -100,12 +100,13 @@ def adam_bc(
     b2: float = 0.999,
     eps: float = 1e-8,
     weight_decay: float = 0.01,
+    mask: Any = None,
     floor: float = 1e-8,
 ) -> optax.GradientTransformation:
     """DP-AdamBC with decoupled weight decay: optax.adamw's chain with `scale_by_adam_bc` in
     place of Adam's scaling (same arguments, plus the noise variance and the floor)."""
     return optax.chain(
         scale_by_adam_bc(noise_variance, b1=b1, b2=b2, eps=eps, floor=floor),
-        optax.add_decayed_weights(weight_decay),
+        optax.add_decayed_weights(weight_decay, mask),
         optax.scale_by_learning_rate(learning_rate),
     )

@@ -49,10 +49,16 @@ class EmaState(NamedTuple):
     count: jax.Array
 
 
+def _matrices(params: Any) -> Any:
+    """Weight-decay mask: True for parameters of two or more dimensions."""
+    return jax.tree_util.tree_map(lambda p: p.ndim >= 2, params)
+
+
 def default_optimizer(
     learning_rate: float | optax.Schedule,
     *,
     weight_decay: float = 0.01,
+    decay_matrices_only: bool = False,
     b1: float = 0.9,
     b2: float = 0.999,
     eps: float = 1e-8,
@@ -61,7 +67,9 @@ def default_optimizer(
     noise_variance_floor: float = 1e-8,
 ) -> optax.GradientTransformation:
     """The optimizer of every dpbert task: AdamW with decoupled weight decay on every trained
-    parameter (optax.adamw; Anil et al. found a large decay helps under DP).
+    parameter (optax.adamw; Anil et al. found a large decay helps under DP); with
+    `decay_matrices_only`, only on parameters of two or more dimensions (kernels, embeddings), not on
+    LayerNorm gains and biases, as BERT excludes them.
 
     With `noise_variance` (step -> per-coordinate variance of the noise in that step's averaged
     gradient, `dpbert.privacy.adam_bc.noise_variance_schedule`), DP-AdamBC instead: the second
@@ -71,11 +79,19 @@ def default_optimizer(
     With `ema_decay`, the state also keeps the debiased exponential moving average of the
     parameters after each update (`ema_params`): post-processing of the noisy iterates, so it
     costs no privacy (De et al. 2022 report a large gain under DP)."""
+    mask = _matrices if decay_matrices_only else None
     if noise_variance is None:
-        tx = optax.adamw(learning_rate, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay)
+        tx = optax.adamw(learning_rate, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay, mask=mask)
     else:
         tx = adam_bc(
-            learning_rate, noise_variance, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay, floor=noise_variance_floor
+            learning_rate,
+            noise_variance,
+            b1=b1,
+            b2=b2,
+            eps=eps,
+            weight_decay=weight_decay,
+            mask=mask,
+            floor=noise_variance_floor,
         )
     if ema_decay is None:
         return tx

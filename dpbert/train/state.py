@@ -109,6 +109,7 @@ def make_optimizer(recipe: Recipe, schedule: BatchSchedule | None = None) -> opt
     return default_optimizer(
         learning_rate(recipe),
         weight_decay=o.weight_decay,
+        decay_matrices_only=o.decay_matrices_only,
         b1=o.b1,
         b2=o.b2,
         eps=o.eps,
