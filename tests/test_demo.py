@@ -20,6 +20,7 @@ from tokenizers import BertWordPieceTokenizer
 from transformers import AutoTokenizer, BertConfig, BertTokenizerFast
 
 from dpbert.demo import MAX_MASKS, FillMaskInputError, FillMaskModel, ModelPrivacy, serve
+from dpbert.demo.app import EXAMPLES
 from dpbert.demo.fill_mask import length_buckets, verified_privacy
 from dpbert.model import BertForMaskedLM, mlm_logits, split_params
 from dpbert.release import CardInfo, Guarantee, ReleaseMetadata, verify_folder, write_release
@@ -32,6 +33,10 @@ CORPUS = [
     "congress passed the budget after a long debate about taxes",
 ] * 4
 SENTENCE = "the president spoke to [MASK] about the [MASK] ."
+# One mask in each corpus line, at each word: candidates on which a model may or may not use the context.
+CORPUS_SENTENCES = sorted(
+    {" ".join([*line.split()[:i], "[MASK]", *line.split()[i + 1 :]]) for line in set(CORPUS) for i in range(0, 10, 3)}
+)
 DP_DELTA = 1e-5
 
 
@@ -40,10 +45,11 @@ DP_DELTA = 1e-5
 # rebuilds the release's ledger from it.
 RECIPE = {
     "model": {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2, "intermediate_size": 64},
-    "data": {"corpus": "test corpus", "seq_len": 32, "tokenizer": "train"},
+    "data": {"corpus": "test corpus", "seq_len": 32, "tokenizer": "train", "eval_corpus": "public-eval.txt"},
     "schedule": [{"steps": 20, "expected_batch_size": 64}],
     "privacy": {"enabled": True, "clip_norm": 1.0, "delta": DP_DELTA, "accountant": "pld", "noise_multiplier": 1.1},
     "train": {"microbatch_size": 16},
+    "report": {"fill_mask": ["congress passed the [MASK] after a long debate ."]},
 }
 DATASET_SIZE = 1000
 
@@ -58,7 +64,15 @@ def _recipe_and_ledger() -> tuple[str, dict]:
     return text, plan_recipe(recipe, DATASET_SIZE).ledger.to_dict()
 
 
-def _write_release(out: Path, tokenizer_dir: Path, *, seed: int, guarantee: Guarantee) -> Path:
+def _write_release(
+    out: Path,
+    tokenizer_dir: Path,
+    *,
+    seed: int,
+    guarantee: Guarantee,
+    evaluation: dict | None = None,
+    bias_scale: float = 1.0,
+) -> Path:
     """A real dpbert release (weights, tokenizer, privacy.json, card) of a random tiny BERT."""
     tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
     config = BertConfig(
@@ -71,7 +85,8 @@ def _write_release(out: Path, tokenizer_dir: Path, *, seed: int, guarantee: Guar
     )
     model = BertForMaskedLM(config, rngs=nnx.Rngs(seed))
     # Random init gives near-uniform probabilities; a random decoder bias makes the top-k distinct.
-    model.cls.predictions.bias[...] = jax.random.normal(jax.random.key(seed), (config.vocab_size,))
+    # (bias_scale 0: the answer is the encoder's, which depends on the context.)
+    model.cls.predictions.bias[...] = bias_scale * jax.random.normal(jax.random.key(seed), (config.vocab_size,))
     private = guarantee.private
     meta = ReleaseMetadata(
         guarantees=(guarantee,),
@@ -81,9 +96,20 @@ def _write_release(out: Path, tokenizer_dir: Path, *, seed: int, guarantee: Guar
         vocabulary_kind="train",
         recipe_name="recipe.yaml" if private else None,
         recipe_content=_recipe_and_ledger()[0] if private else None,
+        evaluation=evaluation,
     )
     info = CardInfo(model_name=out.name, architecture="tiny BERT", reproduce_command="(test fixture)")
     return write_release(out, model=model, meta=meta, info=info, tokenizer_dir=tokenizer_dir)
+
+
+# Held-out figures on a public corpus, which a release always states (`dpbert.release.export`).
+PUBLIC_EVALUATION = {
+    "corpus": "public-eval.txt",
+    "public": True,
+    "step": 20,
+    "included": True,
+    "values": {"eval_mlm_accuracy": 0.1234, "eval_unigram_accuracy": 0.0627},
+}
 
 
 @pytest.fixture(scope="module")
@@ -99,7 +125,7 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     nonprivate = Guarantee.non_private(scope="pretraining", data="test corpus")
     return {
         "tokenizer": tokenizer_dir,
-        "dp": _write_release(root / "dp-bert", tokenizer_dir, seed=1, guarantee=dp),
+        "dp": _write_release(root / "dp-bert", tokenizer_dir, seed=1, guarantee=dp, evaluation=PUBLIC_EVALUATION),
         "nonprivate": _write_release(root / "bert", tokenizer_dir, seed=2, guarantee=nonprivate),
     }
 
@@ -277,6 +303,8 @@ def test_headless_chromium_submits_and_sees_predictions(server, checkpoints, tmp
                         assert f"{candidate['token']}\t{candidate['score']:.1%}" in shown
             body = page.inner_text("body")
             assert "(pld, verified)" in body and "non-private (ε = ∞)" in body
+            assert "As released: held-out MLM accuracy 12.3% (unigram baseline 6.3%) on public-eval.txt" in body
+            assert "top answer" in page.locator("#examples-note").inner_text()  # how the examples were chosen
             shot = tmp_path / "demo.png"
             page.screenshot(path=str(shot), full_page=True)
         finally:
@@ -285,3 +313,52 @@ def test_headless_chromium_submits_and_sees_predictions(server, checkpoints, tmp
     colours = image.getcolors(maxcolors=1 << 20)
     assert colours is not None and len(colours) > 50
     assert np.asarray(image).std() > 10
+
+
+def _tv_to_a_lone_mask(folder: Path, text: str) -> float:
+    """Total variation between the unpadded sentence's first-mask distribution and a lone mask's."""
+    here, _ = _direct_probs(folder, text)
+    alone, _ = _direct_probs(folder, "[MASK]")
+    return 0.5 * float(np.abs(here[0] - alone[0]).sum())
+
+
+def test_offered_examples_are_those_the_dp_model_answers_by_context(checkpoints, tmp_path):
+    """The judge is the private model; every offered sentence moves its top-1 away from its answer
+    to a lone mask; the shifts are the total variation the model itself gives, in decreasing order;
+    no better sentence is left out; a sentence too long for a model is never offered. A model whose
+    answer is its decoder bias whatever the context gets its sentences by shift alone, and the page
+    says so."""
+    from dpbert.demo.app import MAX_OFFERED, offered_examples
+
+    dp_guarantee = Guarantee.from_ledger(
+        scope="pretraining", data="test corpus", ledger=_recipe_and_ledger()[1], randomness={"source": "os-csprng"}
+    )
+    folder = _write_release(tmp_path / "dp-context", checkpoints["tokenizer"], seed=3, guarantee=dp_guarantee,
+                            evaluation=PUBLIC_EVALUATION, bias_scale=0.0)  # fmt: skip
+    nonprivate = FillMaskModel.load(str(checkpoints["nonprivate"]))
+    dp = FillMaskModel.load(str(folder), name="dp")
+    too_long = "the president " * 20 + "[MASK] ."
+    candidates = [*CORPUS_SENTENCES, too_long]
+    offered = offered_examples([nonprivate, dp], candidates)
+    assert offered.judge == "dp" and offered.context_dependent and too_long not in offered.sentences
+    assert 1 <= len(offered.sentences) <= MAX_OFFERED and "depends on the context" in offered.note()
+    assert list(offered.shifts) == sorted(offered.shifts, reverse=True)
+    alone = dp.predict("[MASK]", top_k=1).masks[0][0].token_id
+    moved = {t for t in CORPUS_SENTENCES if dp.predict(t, top_k=1).masks[0][0].token_id != alone}
+    assert set(offered.sentences) <= moved and len(moved) < len(CORPUS_SENTENCES)  # a real choice was made
+    for text, shift in zip(offered.sentences, offered.shifts, strict=True):
+        assert shift == pytest.approx(_tv_to_a_lone_mask(folder, text), abs=1e-5)
+    for text in moved - set(offered.sentences):  # left out only for a smaller shift
+        assert dp.context_shift(text) <= offered.shifts[-1] + 1e-9
+
+    # The fixture's DP model answers by its random decoder bias: no sentence moves its top-1.
+    flat = FillMaskModel.load(str(checkpoints["dp"]), name="dp-flat")
+    by_shift = offered_examples([flat], CORPUS_SENTENCES)
+    assert not by_shift.context_dependent and len(by_shift.sentences) == MAX_OFFERED
+    assert list(by_shift.shifts) == sorted(by_shift.shifts, reverse=True) and "No candidate" in by_shift.note()
+
+    # Defaults: the release recipe's sentence, then EXAMPLES; the page states the released figures.
+    assert dp.sentences == ("congress passed the [MASK] after a long debate .",)
+    assert set(offered_examples([dp, nonprivate]).sentences) <= {*dp.sentences, *EXAMPLES}
+    assert dp.evaluation == "held-out MLM accuracy 12.3% (unigram baseline 6.3%) on public-eval.txt, step 20"
+    assert nonprivate.evaluation is None and nonprivate.sentences == ()

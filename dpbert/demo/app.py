@@ -5,6 +5,10 @@ it (what `dpbert demo` and `demo/app.py` run). The API endpoint `/fill_mask` tak
 returns, per model, its privacy label and guarantees, the filled sentence and the top-k tokens
 with probabilities per mask (schema: docs/INTERNALS.md, "dpbert.demo.app").
 
+The examples it offers are the sentences on which the first private model answers by the
+context (`offered_examples`: its top answer differs from the one it gives a lone [MASK]), and
+each column shows the model's verified guarantee and the held-out figures its release states.
+
 Guarantees: bad input (no [MASK], more than `MAX_MASKS`, text longer than a model takes) is a
 `gr.Error`, which `gradio_client` raises as `AppError` with the same message. Serving binds
 127.0.0.1 unless told otherwise, with one queue and no analytics.
@@ -14,6 +18,7 @@ from __future__ import annotations
 
 import html
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import gradio as gr
@@ -25,7 +30,68 @@ EXAMPLES = (
     f"The president spoke to {MASK} about the economy.",
     f"I went to the {MASK} to buy some {MASK}.",
     f"The {MASK} of the United States is elected every four years.",
+    f"The state of the {MASK} is strong.",
+    f"Thank you, and God bless {MASK}.",
+    f"We must cut {MASK} for working families.",
+    f"Our men and women in {MASK} serve with honor.",
+    f"The United {MASK} of America.",
+    f"Tonight I want to talk about {MASK}.",
 )
+MAX_OFFERED = 6
+
+
+@dataclass(frozen=True, kw_only=True)
+class OfferedExamples:
+    """The sentences the page offers, chosen by `judge`'s answers (see `offered_examples`)."""
+
+    sentences: tuple[str, ...]
+    shifts: tuple[float, ...]  # judge's context_shift of each sentence
+    judge: str
+    context_dependent: bool  # False: no candidate moved judge's top-1 answer; shown by shift alone
+
+    def note(self) -> str:
+        shifts = ", ".join(f"{x:.2f}" for x in self.shifts)
+        if not self.context_dependent:
+            return (
+                f"No candidate sentence changes **{self.judge}**'s top answer from the one it gives a lone "
+                f"{MASK}; they are ordered by how far the context moves its distribution (total variation: {shifts})."
+            )
+        return (
+            f"Examples where **{self.judge}**'s top answer depends on the context (it differs from its answer "
+            f"to a lone {MASK}), ordered by how far the context moves its distribution (total variation: {shifts})."
+        )
+
+
+def offered_examples(models: Sequence[FillMaskModel], candidates: Sequence[str] | None = None) -> OfferedExamples:
+    """Example sentences on which the judge (the first private model, else the first model) answers
+    by the context: its top-1 at the first mask differs from its top-1 for a lone mask. At most
+    `MAX_OFFERED`, by decreasing `context_shift`; when no candidate qualifies, the first `MAX_OFFERED`
+    by shift, flagged. `candidates` default: the models' own recipe sentences, then `EXAMPLES`;
+    those some model cannot take (too long, too many masks) are left out. Reads the weights only."""
+    judge = next((m for m in models if m.privacy.private), models[0])
+    if candidates is None:
+        candidates = [*(t for m in models for t in m.sentences), *EXAMPLES]
+    usable = []
+    for text in dict.fromkeys(candidates):  # keeps order, drops repeats
+        try:
+            for model in models:
+                model.encode(text)
+        except FillMaskInputError:
+            continue
+        usable.append(text)
+    if not usable:
+        raise ValueError("offered_examples: no candidate sentence fits every model")
+    alone = judge.predict(MASK, top_k=1).masks[0][0].token_id
+    scored = [(judge.context_shift(t), judge.predict(t, top_k=1).masks[0][0].token_id != alone, t) for t in usable]
+    moved = [row for row in scored if row[1]]
+    chosen = sorted(moved or scored, key=lambda row: -row[0])[:MAX_OFFERED]
+    return OfferedExamples(
+        sentences=tuple(t for _, _, t in chosen),
+        shifts=tuple(x for x, _, _ in chosen),
+        judge=judge.name,
+        context_dependent=bool(moved),
+    )
+
 
 GUARANTEE_NOTE = f"""\
 **What the guarantee protects.** A DP checkpoint's (ε, δ) bounds how much any *one example
@@ -89,12 +155,15 @@ _CSS = """
 
 
 def build_app(models: Sequence[FillMaskModel], *, top_k: int = 5) -> gr.Blocks:
-    """The demo page over already-loaded models (at least one, names unique)."""
+    """The demo page over already-loaded models (at least one, names unique); its examples are
+    `offered_examples(models)`, each column states the model's verified guarantee and the held-out
+    figures its release states."""
     if not models:
         raise ValueError("models: the demo needs at least one model")
     names = [m.name for m in models]
     if len(set(names)) != len(names):
         raise ValueError(f"models: names must be unique, got {names}")
+    examples = offered_examples(models)
 
     with gr.Blocks(title="dpbert fill-mask", analytics_enabled=False) as app:
         gr.Markdown(
@@ -108,13 +177,15 @@ def build_app(models: Sequence[FillMaskModel], *, top_k: int = 5) -> gr.Blocks:
             elem_id="sentence",
         )
         submit = gr.Button("Fill", variant="primary", elem_id="fill")
-        gr.Examples(examples=[[e] for e in EXAMPLES], inputs=[text])
+        gr.Examples(examples=[[e] for e in examples.sentences], inputs=[text])
+        gr.Markdown(examples.note(), elem_id="examples-note")
         outputs = []
         with gr.Row():
             for number, model in enumerate(models):
                 with gr.Column():
                     vocabulary = f"\n\n{model.privacy.vocabulary}" if model.privacy.vocabulary else ""
-                    gr.Markdown(f"### {model.name}\n**{model.privacy.label()}**{vocabulary}")
+                    evaluation = f"\n\nAs released: {model.evaluation}." if model.evaluation else ""
+                    gr.Markdown(f"### {model.name}\n**{model.privacy.label()}**{vocabulary}{evaluation}")
                     outputs.append(gr.HTML(elem_id=f"predictions-{number}"))
         with gr.Accordion("API response (JSON)", open=False):
             raw = gr.JSON(label="/fill_mask")

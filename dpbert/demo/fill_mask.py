@@ -15,6 +15,9 @@ Guarantees:
   sentence of a bucket; at most `len(buckets)` compiles per model.
 - Bad input raises `FillMaskInputError` (a ValueError) whose message says what to change:
   no mask token, more than `MAX_MASKS` masks, or more tokens than the model takes.
+- `context_shift(text)` is the total variation distance between the model's distribution at the
+  first mask of `text` and at a mask with no context (`[CLS] [MASK] [SEP]`): 0 when the sentence
+  changes nothing, 1 when the two distributions share no mass. It reads the released weights only.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+import yaml
 from transformers import AutoTokenizer
 
 from dpbert.model import BertForMaskedLM, mlm_logits, split_params
@@ -111,6 +115,25 @@ def verified_privacy(folder: str | os.PathLike[str]) -> ModelPrivacy:
     return ModelPrivacy(checks=result.checks, vocabulary=f"{origin}; {covered} by the guarantee.")
 
 
+def release_notes(folder: str | os.PathLike[str]) -> tuple[tuple[str, ...], str | None]:
+    """From a verified release's `privacy.json`: its recipe's fill-mask sentences, and its released
+    held-out figures as one line ("held-out MLM accuracy 12.3% (unigram 6.3%) on ..., step S"), None
+    where the release states none (figures computed from private data are not released)."""
+    data = read_privacy_json(Path(folder))
+    recipe = yaml.safe_load((data.get("recipe") or {}).get("content") or "") or {}
+    sentences = tuple(str(t) for t in ((recipe.get("report") or {}).get("fill_mask") or ()))
+    evaluation = data.get("evaluation") or {}
+    values = evaluation.get("values") or {}
+    if not (evaluation.get("included") and values.get("eval_mlm_accuracy") is not None):
+        return sentences, None
+    line = f"held-out MLM accuracy {values['eval_mlm_accuracy']:.1%}"
+    if values.get("eval_unigram_accuracy") is not None:
+        line += f" (unigram baseline {values['eval_unigram_accuracy']:.1%})"
+    where = "a public corpus" if evaluation.get("public") else "private held-out data"
+    line += f" on {evaluation.get('corpus') or where}, step {evaluation.get('step')}"
+    return sentences, line
+
+
 @dataclass(frozen=True, kw_only=True)
 class TokenScore:
     """One candidate for one mask position: the vocabulary token and its probability."""
@@ -157,7 +180,11 @@ class FillMaskModel:
         tokenizer: Any,
         model: BertForMaskedLM,
         privacy: ModelPrivacy,
+        sentences: tuple[str, ...] = (),
+        evaluation: str | None = None,
     ) -> None:
+        """`sentences`: the release recipe's own fill-mask sentences (`report.fill_mask`);
+        `evaluation`: the held-out figures the release states, as one line (None: none released)."""
         if tokenizer.mask_token_id is None:
             raise ValueError(f"model {name!r}: its tokenizer has no mask token")
         vocab_size = int(model.config.vocab_size)
@@ -168,12 +195,16 @@ class FillMaskModel:
         self.name = name
         self.tokenizer = tokenizer
         self.privacy = privacy
+        self.sentences = sentences
+        self.evaluation = evaluation
         self.max_length = int(model.config.max_position_embeddings)
         self.buckets = length_buckets(self.max_length)
         self.traced_lengths: list[int] = []  # appended at trace time only: one entry per compile
         graphdef, params = split_params(model)
         self._params = params
-        self._top_k = jax.jit(self._make_top_k(graphdef))
+        probs = self._make_probs(graphdef)
+        self._probs = jax.jit(probs)
+        self._top_k = jax.jit(self._make_top_k(probs))
 
     @classmethod
     def load(cls, source: str, *, name: str | None = None) -> FillMaskModel:
@@ -184,16 +215,19 @@ class FillMaskModel:
         """
         folder = resolve_pretrained(source, verify=False)
         privacy = verified_privacy(folder)
+        sentences, evaluation = release_notes(folder) if privacy.checks else ((), None)
         return cls(
             name=name or source,
             tokenizer=AutoTokenizer.from_pretrained(str(folder)),
             model=BertForMaskedLM.from_pretrained(str(folder)),
             privacy=privacy,
+            sentences=sentences,
+            evaluation=evaluation,
         )
 
-    def _make_top_k(self, graphdef: Any) -> Callable[..., tuple[jax.Array, jax.Array]]:
-        def top_k(params, input_ids, attention_mask, mask_positions):
-            self.traced_lengths.append(int(input_ids.shape[1]))
+    @staticmethod
+    def _make_probs(graphdef: Any) -> Callable[..., jax.Array]:
+        def probs(params, input_ids, attention_mask, mask_positions):
             logits = mlm_logits(
                 graphdef,
                 params,
@@ -202,8 +236,14 @@ class FillMaskModel:
                 jnp.zeros_like(input_ids),
                 masked_positions=mask_positions,
             )
-            probs = jax.nn.softmax(logits[0].astype(jnp.float32), axis=-1)
-            return jax.lax.top_k(probs, MAX_TOP_K)
+            return jax.nn.softmax(logits[0].astype(jnp.float32), axis=-1)
+
+        return probs
+
+    def _make_top_k(self, probs: Callable[..., jax.Array]) -> Callable[..., tuple[jax.Array, jax.Array]]:
+        def top_k(params, input_ids, attention_mask, mask_positions):
+            self.traced_lengths.append(int(input_ids.shape[1]))
+            return jax.lax.top_k(probs(params, input_ids, attention_mask, mask_positions), MAX_TOP_K)
 
         return top_k
 
@@ -235,15 +275,7 @@ class FillMaskModel:
         if not 1 <= top_k <= MAX_TOP_K:
             raise ValueError(f"top_k must be in [1, {MAX_TOP_K}], got {top_k}")
         ids, positions = self.encode(text)
-        length = next(b for b in self.buckets if b >= len(ids))
-        input_ids = np.full((1, length), self.tokenizer.pad_token_id or 0, dtype=np.int32)
-        input_ids[0, : len(ids)] = ids
-        attention_mask = np.zeros((1, length), dtype=np.int32)
-        attention_mask[0, : len(ids)] = 1
-        # Unused mask slots point at [CLS]; their rows are computed and dropped.
-        padded_positions = np.zeros((1, MAX_MASKS), dtype=np.int32)
-        padded_positions[0, : len(positions)] = positions
-        probs, token_ids = jax.device_get(self._top_k(self._params, input_ids, attention_mask, padded_positions))
+        probs, token_ids = jax.device_get(self._top_k(self._params, *self._padded(ids, positions)))
         masks = tuple(
             tuple(
                 TokenScore(token=self._token(int(t)), token_id=int(t), score=float(p))
@@ -255,6 +287,27 @@ class FillMaskModel:
             ids[position] = candidates[0].token_id
         filled = self.tokenizer.decode(ids, skip_special_tokens=True)
         return FillMaskResult(masks=masks, filled=filled)
+
+    def context_shift(self, text: str) -> float:
+        """Total variation distance between the distributions at the first mask of `text` and at a
+        lone mask ([CLS] [MASK] [SEP]); raises FillMaskInputError as `predict` does."""
+        ids, positions = self.encode(text)
+        lone = [self.tokenizer.cls_token_id, self.tokenizer.mask_token_id, self.tokenizer.sep_token_id]
+        here = np.asarray(jax.device_get(self._probs(self._params, *self._padded(ids, positions[:1]))[0]))
+        alone = np.asarray(jax.device_get(self._probs(self._params, *self._padded(lone, [1]))[0]))
+        return float(0.5 * np.abs(here.astype(np.float64) - alone).sum())
+
+    def _padded(self, ids: list[int], positions: list[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(input_ids, attention_mask, mask_positions), padded to the length bucket and `MAX_MASKS`."""
+        length = next(b for b in self.buckets if b >= len(ids))
+        input_ids = np.full((1, length), self.tokenizer.pad_token_id or 0, dtype=np.int32)
+        input_ids[0, : len(ids)] = ids
+        attention_mask = np.zeros((1, length), dtype=np.int32)
+        attention_mask[0, : len(ids)] = 1
+        # Unused mask slots point at [CLS]; their rows are computed and dropped.
+        padded_positions = np.zeros((1, MAX_MASKS), dtype=np.int32)
+        padded_positions[0, : len(positions)] = positions
+        return input_ids, attention_mask, padded_positions
 
     def warm_up(self) -> None:
         """Compile the smallest length bucket now, so the first visitor does not wait for it."""
