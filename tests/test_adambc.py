@@ -173,15 +173,16 @@ def test_the_correction_changes_neither_plan_nor_ledger(tmp_path):
 
 @pytest.mark.parametrize("correction", [False, True])
 def test_decay_matrices_only_spares_layernorm_gains_and_biases(correction):
-    """With `optimizer.decay_matrices_only`, a zero-gradient step of the real model's parameters shrinks
-    every kernel and embedding by lr * weight_decay and leaves LayerNorm gains and biases as they are;
-    without it every parameter decays (AdamW's and DP-AdamBC's chains alike)."""
+    """With `optimizer.decay_matrices_only`, a zero-gradient step of the real model's parameters (two
+    scanned layers: their gains and biases are stacked into 2-D arrays) moves every kernel and
+    embedding by the decay alone and leaves every LayerNorm gain and bias as it is; without it every
+    parameter decays (AdamW's and DP-AdamBC's chains alike)."""
     from dpbert.train.mesh import make_mesh
     from dpbert.train.state import abstract_state, bert_config, init_state
 
     raw = {
         **RECIPE,
-        "model": {"vocab_size": 64, "hidden_size": 16, "num_hidden_layers": 1, "num_attention_heads": 2,
+        "model": {"vocab_size": 64, "hidden_size": 16, "num_hidden_layers": 2, "num_attention_heads": 2,
                   "intermediate_size": 32},
         "data": {"seq_len": 16},
         "optimizer": {"learning_rate": 0.1, "weight_decay": 0.5, "noise_variance_correction": correction},
@@ -194,11 +195,15 @@ def test_decay_matrices_only_spares_layernorm_gains_and_biases(correction):
         params, opt_state = init_state(recipe, abstract, optimizer)
         params = jax.tree_util.tree_map(lambda p: p + 1.0, params)  # no zeros: biases start at 0
         updates, _ = optimizer.update(jax.tree_util.tree_map(jnp.zeros_like, params), opt_state, params)
-        kinds = {2: [], 1: []}
-        for path, u in jax.tree_util.tree_leaves_with_path(updates):
-            kinds[min(u.ndim, 2)].append((jax.tree_util.keystr(path), np.abs(np.asarray(u)).max()))
-        assert len(kinds[2]) >= 5 and len(kinds[1]) >= 5
-        for name, largest in kinds[2]:  # Adam's step of a zero gradient is 0: the update is the decay alone
-            assert largest > 0, name
-        for name, largest in kinds[1]:
-            assert (largest == 0) if only else (largest > 0), name
+        decayed, spared = [], []
+        flat = zip(jax.tree_util.tree_leaves_with_path(updates), jax.tree_util.tree_leaves(params), strict=True)
+        for (path, u), p in flat:
+            name = jax.tree_util.keystr(path)
+            last = name.removesuffix(".value").rsplit("[", 1)[-1]
+            (decayed if last in ("'kernel']", "'embedding']") else spared).append((name, u, p))
+        assert len(decayed) == 10 and len(spared) == 16  # 3 tables, 7 kernels; 5 gains, 11 biases
+        assert any(u.ndim == 3 for _, u, _ in decayed) and any(u.ndim == 2 for _, u, _ in spared)  # stacked
+        for name, u, p in decayed:  # Adam's step of a zero gradient is 0: the update is the decay alone
+            np.testing.assert_allclose(np.asarray(u), -0.1 * 0.5 * np.asarray(p), rtol=1e-5, err_msg=name)
+        for name, u, _ in spared:
+            assert np.abs(np.asarray(u)).max() == 0 if only else np.abs(np.asarray(u)).min() > 0, name

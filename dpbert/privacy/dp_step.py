@@ -49,9 +49,17 @@ class EmaState(NamedTuple):
     count: jax.Array
 
 
+DECAYED_NAMES = ("kernel", "embedding")
+
+
 def _matrices(params: Any) -> Any:
-    """Weight-decay mask: True for parameters of two or more dimensions."""
-    return jax.tree_util.tree_map(lambda p: p.ndim >= 2, params)
+    """Weight-decay mask: True for kernels and embedding tables, by name (scanned layers stack
+    LayerNorm gains and biases into arrays of two dimensions, so their shape cannot tell)."""
+
+    def decayed(path: tuple[Any, ...], _: Any) -> bool:
+        return any(getattr(k, "key", None) in DECAYED_NAMES for k in path[-2:])
+
+    return jax.tree_util.tree_map_with_path(decayed, params)
 
 
 def default_optimizer(
@@ -68,8 +76,8 @@ def default_optimizer(
 ) -> optax.GradientTransformation:
     """The optimizer of every dpbert task: AdamW with decoupled weight decay on every trained
     parameter (optax.adamw; Anil et al. found a large decay helps under DP); with
-    `decay_matrices_only`, only on parameters of two or more dimensions (kernels, embeddings), not on
-    LayerNorm gains and biases, as BERT excludes them.
+    `decay_matrices_only`, only on kernels and embedding tables (`DECAYED_NAMES`), not on LayerNorm
+    gains and biases, as BERT excludes them.
 
     With `noise_variance` (step -> per-coordinate variance of the noise in that step's averaged
     gradient, `dpbert.privacy.adam_bc.noise_variance_schedule`), DP-AdamBC instead: the second
