@@ -304,7 +304,7 @@ def test_headless_chromium_submits_and_sees_predictions(server, checkpoints, tmp
             body = page.inner_text("body")
             assert "(pld, verified)" in body and "non-private (ε = ∞)" in body
             assert "As released: held-out MLM accuracy 12.3% (unigram baseline 6.3%) on public-eval.txt" in body
-            assert "top answer" in page.locator("#examples-note").inner_text()  # how the examples were chosen
+            assert "top answer" in page.locator("#examples-note").inner_text()  # how they were chosen
             shot = tmp_path / "demo.png"
             page.screenshot(path=str(shot), full_page=True)
         finally:
@@ -315,19 +315,12 @@ def test_headless_chromium_submits_and_sees_predictions(server, checkpoints, tmp
     assert np.asarray(image).std() > 10
 
 
-def _tv_to_a_lone_mask(folder: Path, text: str) -> float:
-    """Total variation between the unpadded sentence's first-mask distribution and a lone mask's."""
-    here, _ = _direct_probs(folder, text)
-    alone, _ = _direct_probs(folder, "[MASK]")
-    return 0.5 * float(np.abs(here[0] - alone[0]).sum())
-
-
 def test_offered_examples_are_those_the_dp_model_answers_by_context(checkpoints, tmp_path):
-    """The judge is the private model; every offered sentence moves its top-1 away from its answer
-    to a lone mask; the shifts are the total variation the model itself gives, in decreasing order;
-    no better sentence is left out; a sentence too long for a model is never offered. A model whose
-    answer is its decoder bias whatever the context gets its sentences by shift alone, and the page
-    says so."""
+    """The judge is the private model; every offered sentence gets a top-1 other than that of the
+    judge's average distribution over the candidates; the shifts are the total variation from that
+    average, computed here from the model's own logits, in decreasing order; no better sentence is
+    left out; a sentence too long for a model is never offered. A model that answers by its decoder
+    bias whatever the context gets its sentences by shift alone, and the page says so."""
     from dpbert.demo.app import MAX_OFFERED, offered_examples
 
     dp_guarantee = Guarantee.from_ledger(
@@ -338,24 +331,24 @@ def test_offered_examples_are_those_the_dp_model_answers_by_context(checkpoints,
     nonprivate = FillMaskModel.load(str(checkpoints["nonprivate"]))
     dp = FillMaskModel.load(str(folder), name="dp")
     too_long = "the president " * 20 + "[MASK] ."
-    candidates = [*CORPUS_SENTENCES, too_long]
-    offered = offered_examples([nonprivate, dp], candidates)
+    offered = offered_examples([nonprivate, dp], [*CORPUS_SENTENCES, too_long])
     assert offered.judge == "dp" and offered.context_dependent and too_long not in offered.sentences
     assert 1 <= len(offered.sentences) <= MAX_OFFERED and "depends on the context" in offered.note()
-    assert list(offered.shifts) == sorted(offered.shifts, reverse=True)
-    alone = dp.predict("[MASK]", top_k=1).masks[0][0].token_id
-    moved = {t for t in CORPUS_SENTENCES if dp.predict(t, top_k=1).masks[0][0].token_id != alone}
-    assert set(offered.sentences) <= moved and len(moved) < len(CORPUS_SENTENCES)  # a real choice was made
-    for text, shift in zip(offered.sentences, offered.shifts, strict=True):
-        assert shift == pytest.approx(_tv_to_a_lone_mask(folder, text), abs=1e-5)
-    for text in moved - set(offered.sentences):  # left out only for a smaller shift
-        assert dp.context_shift(text) <= offered.shifts[-1] + 1e-9
 
-    # The fixture's DP model answers by its random decoder bias: no sentence moves its top-1.
+    direct = np.stack([_direct_probs(folder, t)[0][0] for t in CORPUS_SENTENCES])  # unpadded, full logits
+    average = direct.mean(axis=0)
+    shift = dict(zip(CORPUS_SENTENCES, 0.5 * np.abs(direct - average).sum(axis=1), strict=True))
+    moved = {t for t, p in zip(CORPUS_SENTENCES, direct, strict=True) if p.argmax() != average.argmax()}
+    assert set(offered.sentences) <= moved and len(moved) < len(CORPUS_SENTENCES)  # a real choice was made
+    np.testing.assert_allclose(offered.shifts, [shift[t] for t in offered.sentences], atol=1e-5)
+    assert list(offered.shifts) == sorted(offered.shifts, reverse=True)
+    assert all(shift[t] <= offered.shifts[-1] + 1e-6 for t in moved - set(offered.sentences))
+
+    # The fixture's DP model answers by its random decoder bias: every sentence gets the same top-1.
     flat = FillMaskModel.load(str(checkpoints["dp"]), name="dp-flat")
     by_shift = offered_examples([flat], CORPUS_SENTENCES)
     assert not by_shift.context_dependent and len(by_shift.sentences) == MAX_OFFERED
-    assert list(by_shift.shifts) == sorted(by_shift.shifts, reverse=True) and "No candidate" in by_shift.note()
+    assert list(by_shift.shifts) == sorted(by_shift.shifts, reverse=True) and "whatever the context" in by_shift.note()
 
     # Defaults: the release recipe's sentence, then EXAMPLES; the page states the released figures.
     assert dp.sentences == ("congress passed the [MASK] after a long debate .",)

@@ -6,7 +6,8 @@ returns, per model, its privacy label and guarantees, the filled sentence and th
 with probabilities per mask (schema: docs/INTERNALS.md, "dpbert.demo.app").
 
 The examples it offers are the sentences on which the first private model answers by the
-context (`offered_examples`: its top answer differs from the one it gives a lone [MASK]), and
+context (`offered_examples`: its top answer differs from its answer averaged over the candidate
+sentences), and
 each column shows the model's verified guarantee and the held-out figures its release states.
 
 Guarantees: bad input (no [MASK], more than `MAX_MASKS`, text longer than a model takes) is a
@@ -22,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import gradio as gr
+import numpy as np
 
 from dpbert.demo.fill_mask import MASK, MAX_MASKS, MAX_TOP_K, FillMaskInputError, FillMaskModel
 
@@ -45,29 +47,32 @@ class OfferedExamples:
     """The sentences the page offers, chosen by `judge`'s answers (see `offered_examples`)."""
 
     sentences: tuple[str, ...]
-    shifts: tuple[float, ...]  # judge's context_shift of each sentence
+    shifts: tuple[float, ...]  # total variation from judge's average answer, per sentence
     judge: str
-    context_dependent: bool  # False: no candidate moved judge's top-1 answer; shown by shift alone
+    context_dependent: bool  # False: every candidate got judge's usual top answer; shown by shift alone
 
     def note(self) -> str:
         shifts = ", ".join(f"{x:.2f}" for x in self.shifts)
+        how = f"ordered by how far the context moves its distribution from its average (total variation: {shifts})"
         if not self.context_dependent:
             return (
-                f"No candidate sentence changes **{self.judge}**'s top answer from the one it gives a lone "
-                f"{MASK}; they are ordered by how far the context moves its distribution (total variation: {shifts})."
+                f"**{self.judge}** gives the same top answer to every candidate sentence, whatever the context; "
+                f"they are {how}."
             )
         return (
-            f"Examples where **{self.judge}**'s top answer depends on the context (it differs from its answer "
-            f"to a lone {MASK}), ordered by how far the context moves its distribution (total variation: {shifts})."
+            f"Examples where **{self.judge}**'s top answer depends on the context (it differs from its top "
+            f"answer averaged over all candidate sentences), {how}."
         )
 
 
 def offered_examples(models: Sequence[FillMaskModel], candidates: Sequence[str] | None = None) -> OfferedExamples:
     """Example sentences on which the judge (the first private model, else the first model) answers
-    by the context: its top-1 at the first mask differs from its top-1 for a lone mask. At most
-    `MAX_OFFERED`, by decreasing `context_shift`; when no candidate qualifies, the first `MAX_OFFERED`
-    by shift, flagged. `candidates` default: the models' own recipe sentences, then `EXAMPLES`;
-    those some model cannot take (too long, too many masks) are left out. Reads the weights only."""
+    by the context. Over the candidates every model can take, the judge's distribution at each first
+    mask is compared with their average: a sentence qualifies when its top-1 differs from the
+    average's, and the qualifying ones are offered by decreasing total variation from the average,
+    at most `MAX_OFFERED`; when none qualifies, the first `MAX_OFFERED` by that distance, flagged.
+    `candidates` default: the models' own recipe sentences, then `EXAMPLES`. Public sentences and
+    the released weights only."""
     judge = next((m for m in models if m.privacy.private), models[0])
     if candidates is None:
         candidates = [*(t for m in models for t in m.sentences), *EXAMPLES]
@@ -81,15 +86,17 @@ def offered_examples(models: Sequence[FillMaskModel], candidates: Sequence[str] 
         usable.append(text)
     if not usable:
         raise ValueError("offered_examples: no candidate sentence fits every model")
-    alone = judge.predict(MASK, top_k=1).masks[0][0].token_id
-    scored = [(judge.context_shift(t), judge.predict(t, top_k=1).masks[0][0].token_id != alone, t) for t in usable]
-    moved = [row for row in scored if row[1]]
-    chosen = sorted(moved or scored, key=lambda row: -row[0])[:MAX_OFFERED]
+    dists = np.stack([judge.mask_distribution(t) for t in usable])
+    average = dists.mean(axis=0)
+    shifts = 0.5 * np.abs(dists - average).sum(axis=1)
+    moved = dists.argmax(axis=1) != average.argmax()
+    pool = np.flatnonzero(moved) if moved.any() else np.arange(len(usable))
+    chosen = sorted(pool, key=lambda i: -shifts[i])[:MAX_OFFERED]
     return OfferedExamples(
-        sentences=tuple(t for _, _, t in chosen),
-        shifts=tuple(x for x, _, _ in chosen),
+        sentences=tuple(usable[i] for i in chosen),
+        shifts=tuple(float(shifts[i]) for i in chosen),
         judge=judge.name,
-        context_dependent=bool(moved),
+        context_dependent=bool(moved.any()),
     )
 
 

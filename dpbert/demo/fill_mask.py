@@ -15,9 +15,7 @@ Guarantees:
   sentence of a bucket; at most `len(buckets)` compiles per model.
 - Bad input raises `FillMaskInputError` (a ValueError) whose message says what to change:
   no mask token, more than `MAX_MASKS` masks, or more tokens than the model takes.
-- `context_shift(text)` is the total variation distance between the model's distribution at the
-  first mask of `text` and at a mask with no context (`[CLS] [MASK] [SEP]`): 0 when the sentence
-  changes nothing, 1 when the two distributions share no mass. It reads the released weights only.
+- `mask_distribution(text)` is that softmax at the first mask, over the whole vocabulary.
 """
 
 from __future__ import annotations
@@ -288,14 +286,12 @@ class FillMaskModel:
         filled = self.tokenizer.decode(ids, skip_special_tokens=True)
         return FillMaskResult(masks=masks, filled=filled)
 
-    def context_shift(self, text: str) -> float:
-        """Total variation distance between the distributions at the first mask of `text` and at a
-        lone mask ([CLS] [MASK] [SEP]); raises FillMaskInputError as `predict` does."""
+    def mask_distribution(self, text: str) -> np.ndarray:
+        """The model's probabilities over its whole vocabulary at the first mask of `text` (float64);
+        raises FillMaskInputError as `predict` does."""
         ids, positions = self.encode(text)
-        lone = [self.tokenizer.cls_token_id, self.tokenizer.mask_token_id, self.tokenizer.sep_token_id]
-        here = np.asarray(jax.device_get(self._probs(self._params, *self._padded(ids, positions[:1]))[0]))
-        alone = np.asarray(jax.device_get(self._probs(self._params, *self._padded(lone, [1]))[0]))
-        return float(0.5 * np.abs(here.astype(np.float64) - alone).sum())
+        probs = self._probs(self._params, *self._padded(ids, positions[:1]))[0]
+        return np.asarray(jax.device_get(probs), dtype=np.float64)
 
     def _padded(self, ids: list[int], positions: list[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(input_ids, attention_mask, mask_positions), padded to the length bucket and `MAX_MASKS`."""
