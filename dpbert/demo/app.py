@@ -7,8 +7,8 @@ with probabilities per mask (schema: docs/INTERNALS.md, "dpbert.demo.app").
 
 The examples it offers are the sentences on which the first private model answers by the
 context (`offered_examples`: its top answer differs from its answer averaged over the candidate
-sentences), and
-each column shows the model's verified guarantee and the held-out figures its release states.
+sentences), and each column shows the model's verified guarantee and the held-out figures its
+release states.
 
 Guarantees: bad input (no [MASK], more than `MAX_MASKS`, text longer than a model takes) is a
 `gr.Error`, which `gradio_client` raises as `AppError` with the same message. Serving binds
