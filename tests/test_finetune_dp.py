@@ -313,3 +313,25 @@ def test_dp_finetune_clips_by_ghost_norms_as_vmap_does(tiny: Path, trainable: st
             f"bert.encoder.layer.0.{t}.weight"
             for t in ("attention.self.query", "attention.self.value", "intermediate.dense")
         }
+
+
+def test_max_seq_len_past_the_position_table_grows_it_or_is_refused(
+    tiny: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from safetensors.numpy import load_file
+
+    argv = ["finetune", "--task", "sst2", "--model", str(tiny / "model"), "--data-dir", str(tiny / "SST-2"),
+            "--set", "max_seq_len=40", "--set", "nonprivate.epochs=1"]  # fmt: skip
+    out = tiny / "out_positions"
+    printed = _run([*argv, "--output-dir", str(out)])
+    result = json.loads((out / "metrics.json").read_text())
+    assert result["positions"] == {"pretrained": 32, "rows": 40, "grown_by": "repeating rows"}
+    assert "position table grown from 32 to 40 rows by repeating the pretrained rows" in printed
+    assert json.loads((out / "model" / "config.json").read_text())["max_position_embeddings"] == 40
+    rows = [k for k in load_file(out / "model" / "model.safetensors") if k.endswith("position_embeddings.weight")]
+    assert [load_file(out / "model" / "model.safetensors")[k].shape for k in rows] == [(40, 32)]
+
+    refused = tiny / "out_positions_refused"
+    assert cli.main([*argv, "--output-dir", str(refused), "--set", "extend_positions=false"]) != 0
+    assert "max_seq_len: 40 exceeds the 32 position embeddings" in capsys.readouterr().err
+    assert not (refused / "metrics.json").exists()

@@ -232,3 +232,43 @@ def test_release_has_64_positions_and_runs_64_tokens_in_transformers(dp_runs):
     # The trained rows are the released rows.
     released = model.bert.embeddings.position_embeddings.weight.detach().numpy()
     np.testing.assert_array_equal(released, load_file(str(dp_runs[0] / "hf" / "model.safetensors"))[POSITION_ROWS])
+
+
+def test_repeated_position_rows_keep_short_inputs_exact_and_tile_the_table(tmp_path: Path) -> None:
+    """A checkpoint loaded with more positions than it has: rows 0..n-1 as saved, row i = row i mod n,
+    the same outputs on inputs of up to n tokens, and a folder that transformers loads."""
+    import torch
+    from flax import nnx
+    from transformers import BertConfig
+    from transformers import BertForMaskedLM as HFBertForMaskedLM
+
+    from dpbert.model import BertForMaskedLM
+    from dpbert.model.hf_io import repeat_positions
+
+    config = BertConfig(vocab_size=VOCAB, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                        intermediate_size=32, max_position_embeddings=SEQ_LEN)  # fmt: skip
+    BertForMaskedLM(config, rngs=nnx.Rngs(0)).save_pretrained(str(tmp_path / "short"))
+    saved = load_file(tmp_path / "short" / "model.safetensors")[POSITION_ROWS]
+    grown = BertForMaskedLM.from_pretrained(str(tmp_path / "short"), max_positions=40)
+    assert grown.config.max_position_embeddings == 40
+    table = np.asarray(grown.bert.embeddings.position_embeddings.embedding[...])
+    np.testing.assert_array_equal(table[:SEQ_LEN], saved)
+    np.testing.assert_array_equal(table[SEQ_LEN : 2 * SEQ_LEN], saved)
+    np.testing.assert_array_equal(table[2 * SEQ_LEN :], saved[: 40 - 2 * SEQ_LEN])
+
+    short = BertForMaskedLM.from_pretrained(str(tmp_path / "short"))
+    ids = jnp.asarray(np.random.default_rng(0).integers(5, VOCAB, size=(2, SEQ_LEN)), jnp.int32)
+    np.testing.assert_array_equal(np.asarray(grown(ids).logits), np.asarray(short(ids).logits))
+    long_ids = jnp.concatenate([ids, ids, ids[:, :8]], axis=1)
+    assert grown(long_ids).logits.shape == (2, 40, VOCAB)  # the short model refuses 40 tokens
+
+    grown.save_pretrained(str(tmp_path / "grown"))
+    hf = HFBertForMaskedLM.from_pretrained(str(tmp_path / "grown"))
+    assert hf.config.max_position_embeddings == 40
+    with torch.no_grad():
+        hf_logits = hf(input_ids=torch.tensor(np.asarray(long_ids)).long()).logits.numpy()
+    np.testing.assert_allclose(hf_logits, np.asarray(grown(long_ids).logits), atol=2e-4)
+
+    assert repeat_positions({POSITION_ROWS: saved}, SEQ_LEN)[POSITION_ROWS] is saved  # no rows to add
+    with pytest.raises(ValueError, match="one position table"):
+        repeat_positions({"bert.embeddings.word_embeddings.weight": saved}, 40)

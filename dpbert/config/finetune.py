@@ -139,6 +139,10 @@ class FinetuneConfig:
     `train_pooler`: whether the head includes the pooler's kernel under `bias`, `lora` and
     `head` (null: only when the checkpoint has no pretrained pooler). Default true: a pretrained
     pooler was trained for another objective, if at all (see `dpbert.config.finetune_defaults`).
+    `extend_positions`: when `max_seq_len` exceeds the model's position table, grow the table by
+    repeating its rows (row i takes row i mod n, Beltagy et al. 2020), said in the log and in
+    `metrics.json`; false refuses such a `max_seq_len`. Post-processing of the pretrained
+    weights: a DP checkpoint's guarantee is unchanged.
     """
 
     dp: bool = False
@@ -164,6 +168,7 @@ class FinetuneConfig:
     sweep: SweepConfig = SweepConfig()
     eval_every_epochs: int = 1
     train_pooler: bool | None = True
+    extend_positions: bool = True
 
     def __post_init__(self) -> None:
         _check(self.max_seq_len >= 8, "max_seq_len", "an integer >= 8", self.max_seq_len)

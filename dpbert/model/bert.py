@@ -413,14 +413,26 @@ class _PretrainedMixin:
         return BertConfig.from_dict(json.loads(self._config_json))
 
     @classmethod
-    def from_pretrained(cls, path_or_id: str, *, dtype: Any = jnp.float32, seed: int = 0, **config_overrides: Any):
+    def from_pretrained(
+        cls,
+        path_or_id: str,
+        *,
+        dtype: Any = jnp.float32,
+        seed: int = 0,
+        max_positions: int | None = None,
+        **config_overrides: Any,
+    ):
         """Load a Hugging Face BERT folder (config.json + model.safetensors / pytorch_model.bin).
 
         ``config_overrides`` set config fields before building (e.g. ``num_labels=3``,
         ``hidden_dropout_prob=0.0``). Weights absent from the checkpoint are allowed only for
         heads and the pooler; they are initialised from ``seed`` and named in a warning.
+        ``max_positions`` above the checkpoint's: its position table is grown by repeating rows
+        (``hf_io.repeat_positions``).
         """
-        return hf_io.from_pretrained(cls, path_or_id, dtype=dtype, seed=seed, **config_overrides)
+        return hf_io.from_pretrained(
+            cls, path_or_id, dtype=dtype, seed=seed, max_positions=max_positions, **config_overrides
+        )
 
     def save_pretrained(self, path: str) -> None:
         """Write config.json + model.safetensors under Hugging Face names (atomic per folder/file)."""

@@ -41,6 +41,7 @@ _HEAD_PREFIXES = ("cls.", "classifier.", "pooler.", "bert.pooler.")
 # Checkpoint entries that are buffers, not parameters: never reported as unexpected.
 _BUFFERS = re.compile(r"(^|\.)embeddings\.(position_ids|token_type_ids)$")
 _LEAF_TO_HF = {"kernel": "weight", "embedding": "weight", "scale": "weight", "bias": "bias"}
+_POSITION_TABLE = re.compile(r"(^|\.)embeddings\.position_embeddings\.weight$")
 
 
 def model_folder(path: str | os.PathLike[str]) -> Path:
@@ -257,8 +258,33 @@ def load_hf_state(model: nnx.Module, state: Mapping[str, np.ndarray], source: st
     return missing
 
 
-def from_pretrained(cls: type, path: str | os.PathLike[str], *, dtype: Any, seed: int, **config_overrides: Any):
-    """Build ``cls`` from a local Hugging Face BERT folder (see ``load_hf_state`` for what may be missing)."""
+def repeat_positions(state: Mapping[str, np.ndarray], rows: int) -> dict[str, np.ndarray]:
+    """``state`` with its position table grown to ``rows`` rows by repeating its learned ones (row i
+    takes row i mod n), as Beltagy et al. (2020) grew RoBERTa's 512 positions to 4,096: each block of
+    n positions keeps the learned neighbourhood. A table of ``rows`` rows or more is left as it is;
+    ValueError when ``state`` holds no position table."""
+    names = [name for name in state if _POSITION_TABLE.search(name)]
+    if len(names) != 1:
+        raise ValueError(f"expected one position table (*embeddings.position_embeddings.weight), found {names}")
+    table = state[names[0]]
+    if table.shape[0] >= rows:
+        return dict(state)
+    return {**state, names[0]: table[np.arange(rows) % table.shape[0]]}
+
+
+def from_pretrained(
+    cls: type,
+    path: str | os.PathLike[str],
+    *,
+    dtype: Any,
+    seed: int,
+    max_positions: int | None = None,
+    **config_overrides: Any,
+):
+    """Build ``cls`` from a local Hugging Face BERT folder (see ``load_hf_state`` for what may be missing).
+
+    ``max_positions`` larger than the folder's ``max_position_embeddings``: the position table is
+    grown to that many rows by `repeat_positions` (the config says so); smaller or None: as saved."""
     folder = model_folder(path)
     config = load_config(folder)
     for field, value in config_overrides.items():
@@ -266,6 +292,9 @@ def from_pretrained(cls: type, path: str | os.PathLike[str], *, dtype: Any, seed
             raise ValueError(f"{field}: not a BertConfig field (config overrides must name existing fields)")
         setattr(config, field, value)
     state, source = read_state_dict(folder)
+    if max_positions is not None and max_positions > config.max_position_embeddings:
+        state = repeat_positions(state, max_positions)
+        config.max_position_embeddings = max_positions
 
     def build() -> nnx.Module:
         return cls(config, rngs=nnx.Rngs(seed), dtype=dtype)

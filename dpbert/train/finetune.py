@@ -46,6 +46,7 @@ from dpbert.config.finetune_defaults import describe as describe_derived
 from dpbert.config.plan import Plan
 from dpbert.data import glue
 from dpbert.model import BertForSequenceClassification
+from dpbert.model import load_config as load_bert_config
 from dpbert.model.ghost import ClassifierGhostLoss
 from dpbert.model.lora import add_lora, merge_lora
 from dpbert.privacy.dp_step import make_dp_train_step, make_train_step
@@ -93,11 +94,20 @@ _SHUFFLE_STREAM = 4
 # ----------------------------------------------------------------------------- training
 
 
-def _load_model_and_tokenizer(task: glue.GlueTask, model: str, config: FinetuneConfig) -> tuple[Any, Any, Path, bool]:
-    """(model, tokenizer, model folder, whether the pooler was newly initialised)."""
+def _load_model_and_tokenizer(
+    task: glue.GlueTask, model: str, config: FinetuneConfig
+) -> tuple[Any, Any, Path, bool, dict[str, Any]]:
+    """(model, tokenizer, model folder, whether the pooler was newly initialised, its position
+    table: rows pretrained, rows used, and how they were grown)."""
 
     # A folder as is; a Hub id through the release's pull path (a privacy claim is verified first).
     model_dir = resolve_pretrained(model)
+    pretrained_rows = load_bert_config(model_dir).max_position_embeddings
+    if config.max_seq_len > pretrained_rows and not config.extend_positions:
+        raise ValueError(
+            f"max_seq_len: {config.max_seq_len} exceeds the {pretrained_rows} position embeddings of {model}; "
+            f"set max_seq_len <= {pretrained_rows}, or extend_positions: true to repeat the table's rows"
+        )
     overrides: dict[str, Any] = {"num_labels": task.num_labels}
     if config.optim.dropout is not None:
         overrides.update(hidden_dropout_prob=config.optim.dropout, attention_probs_dropout_prob=config.optim.dropout)
@@ -106,7 +116,9 @@ def _load_model_and_tokenizer(task: glue.GlueTask, model: str, config: FinetuneC
         overrides["label2id"] = {name: i for i, name in enumerate(task.label_names)}
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        net = BertForSequenceClassification.from_pretrained(str(model_dir), seed=config.seed, **overrides)
+        net = BertForSequenceClassification.from_pretrained(
+            str(model_dir), seed=config.seed, max_positions=config.max_seq_len, **overrides
+        )
     for w in caught:
         warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
     # hf_io names every weight it had to initialise; a pretrained pooler is not among them.
@@ -116,7 +128,13 @@ def _load_model_and_tokenizer(task: glue.GlueTask, model: str, config: FinetuneC
         tokenizer = AutoTokenizer.from_pretrained(str(tok_dir))
     except (OSError, ValueError) as err:
         raise FileNotFoundError(f"{tok_dir}: no tokenizer found ({err}); pass --set tokenizer=FOLDER") from None
-    return net, tokenizer, model_dir, fresh_pooler
+    rows = net.config.max_position_embeddings
+    positions = {
+        "pretrained": pretrained_rows,
+        "rows": rows,
+        "grown_by": "repeating rows" if rows > pretrained_rows else None,
+    }
+    return net, tokenizer, model_dir, fresh_pooler, positions
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -370,7 +388,12 @@ def finetune(
     started = time.time()
 
     splits = glue.load_task(task, data)
-    net, tokenizer, model_dir, fresh_pooler = _load_model_and_tokenizer(task, model, config)
+    net, tokenizer, model_dir, fresh_pooler, positions = _load_model_and_tokenizer(task, model, config)
+    if positions["grown_by"]:
+        log(
+            f"[{task.name}] position table grown from {positions['pretrained']} to {positions['rows']} rows by "
+            f"repeating the pretrained rows (max_seq_len {config.max_seq_len}; extend_positions: false refuses)"
+        )
     train_pooler = fresh_pooler if config.train_pooler is None else config.train_pooler
     source = source_privacy(model_dir, model)
     if task_scope(task) in {g.scope for g in source.guarantees}:
@@ -490,6 +513,7 @@ def finetune(
         "n_train": n,
         "dev": final,
         "trained": trained,
+        "positions": positions,
         "steps": steps,
         "private": config.dp,
         "privacy": privacy,
