@@ -320,6 +320,8 @@ def test_max_seq_len_past_the_position_table_grows_it_or_is_refused(
 ) -> None:
     from safetensors.numpy import load_file
 
+    from dpbert.release import verify_folder
+
     argv = ["finetune", "--task", "sst2", "--model", str(tiny / "model"), "--data-dir", str(tiny / "SST-2"),
             "--set", "max_seq_len=40", "--set", "nonprivate.epochs=1"]  # fmt: skip
     out = tiny / "out_positions"
@@ -330,6 +332,8 @@ def test_max_seq_len_past_the_position_table_grows_it_or_is_refused(
     assert json.loads((out / "model" / "config.json").read_text())["max_position_embeddings"] == 40
     rows = [k for k in load_file(out / "model" / "model.safetensors") if k.endswith("position_embeddings.weight")]
     assert [load_file(out / "model" / "model.safetensors")[k].shape for k in rows] == [(40, 32)]
+    check = verify_folder(out / "model")
+    assert check.ok and check.status == "non-private", check.summary()
 
     refused = tiny / "out_positions_refused"
     assert cli.main([*argv, "--output-dir", str(refused), "--set", "extend_positions=false"]) != 0
