@@ -143,7 +143,7 @@ def test_recipe_fields_are_validated_and_named():
     manifest = type("M", (), {"tokenizer_fingerprint": "t" * 16, "corpus_sha256": "c" * 16, "seq_len": 128})
     off = load_recipe_dict(RECIPE)
     assert state_fingerprints(off, manifest, 1000)["optimizer"] != state_fingerprints(on, manifest, 1000)["optimizer"]
-    later = ("noise_variance_correction", "noise_variance_floor", "decay_matrices_only")
+    later = ("noise_variance_correction", "noise_variance_floor", "decay_matrices_only", "cooldown_steps")
     before = {k: v for k, v in recipe_to_dict(off)["optimizer"].items() if k not in later}
     assert state_fingerprints(off, manifest, 1000)["optimizer"] == fingerprint(before)
 

@@ -90,6 +90,8 @@ def test_tiny_pair_differs_only_in_privacy_and_learning_rate():
         ({**MINIMAL, "reference": {"note": 3}}, "reference.note"),
         ({**MINIMAL, "reference": {"accuracy": 0.3}}, "reference.accuracy"),
         ({"schedule": MINIMAL["schedule"]}, "privacy"),
+        ({**MINIMAL, "optimizer": {"cooldown_steps": -1, "decay": "constant"}}, "optimizer.cooldown_steps"),
+        ({**MINIMAL, "optimizer": {"cooldown_steps": 2, "decay": "linear"}}, "optimizer.cooldown_steps"),
     ],
 )
 def test_bad_fields_are_named(raw, field):
@@ -167,3 +169,21 @@ def test_document_recipe_is_the_default_but_for_its_unit():
     per_step = doc["schedule"][0]["expected_batch_size"] * doc["privacy"]["max_sequences_per_document"]
     assert per_step == tiny["schedule"][0]["expected_batch_size"]
     assert doc["privacy"]["target_epsilon"] == tiny["privacy"]["target_epsilon"]
+
+
+def test_cooldown_holds_the_rate_then_falls_linearly_over_the_last_steps():
+    """Warmup-stable-decay: warmup 100, the rate held to step 900, then linear to 10% at step 1,100."""
+    from dpbert.train.state import learning_rate
+
+    raw = {
+        **MINIMAL,
+        "schedule": [{"steps": 1100, "expected_batch_size": 8}],
+        "optimizer": {"learning_rate": 6e-3, "warmup_steps": 100, "decay": "constant", "cooldown_steps": 200,
+                      "end_learning_rate_fraction": 0.1},
+    }  # fmt: skip
+    lr = learning_rate(load_recipe_dict(raw))
+    expected = {0: 0.0, 50: 3e-3, 100: 6e-3, 500: 6e-3, 900: 6e-3, 1000: 3.3e-3, 1099: 6e-4 + 5.4e-3 / 200}
+    for step, value in expected.items():
+        assert float(lr(step)) == pytest.approx(value, rel=1e-5, abs=1e-12), step
+    held = learning_rate(load_recipe_dict({**raw, "optimizer": {**raw["optimizer"], "cooldown_steps": 0}}))
+    assert float(held(1099)) == pytest.approx(6e-3)

@@ -272,6 +272,9 @@ class OptimizerConfig:
 
     Learning rate: linear warmup over `warmup_steps`, then `decay` to
     `end_learning_rate_fraction * learning_rate` at the last step of the schedule.
+    `cooldown_steps` (with `decay: constant`): the last that many steps fall linearly from
+    `learning_rate` to `end_learning_rate_fraction * learning_rate` (warmup-stable-decay,
+    Hägele et al. 2024; under DP the smaller last steps average the noise out of the final weights).
     `decay_matrices_only`: decay only kernels and embeddings, not LayerNorm gains and biases (BERT's
     exclusion; with a large decay under DP a noise-only gain would otherwise decay toward 0).
     `ema_decay`: keep a moving average of the parameters with this decay, evaluate and release it
@@ -291,6 +294,7 @@ class OptimizerConfig:
     warmup_steps: int = 0
     decay: Literal["linear", "cosine", "constant"] = "linear"
     end_learning_rate_fraction: float = 0.0
+    cooldown_steps: int = 0
     ema_decay: float | None = None
     noise_variance_correction: bool = False
     noise_variance_floor: float = 1e-8
@@ -309,6 +313,13 @@ class OptimizerConfig:
         _check(self.eps > 0, "eps", "a positive number", self.eps)
         _check(self.weight_decay >= 0, "weight_decay", "a number >= 0", self.weight_decay)
         _check(self.warmup_steps >= 0, "warmup_steps", "an integer >= 0", self.warmup_steps)
+        _check(self.cooldown_steps >= 0, "cooldown_steps", "an integer >= 0", self.cooldown_steps)
+        _check(
+            self.cooldown_steps == 0 or self.decay == "constant",
+            "cooldown_steps",
+            f"0 unless decay is 'constant' (decay {self.decay!r} already falls to the end)",
+            self.cooldown_steps,
+        )
         _check(
             0.0 <= self.end_learning_rate_fraction <= 1.0,
             "end_learning_rate_fraction",

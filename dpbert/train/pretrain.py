@@ -270,14 +270,16 @@ def state_fingerprints(recipe: Recipe, manifest: Any, n_train: int) -> dict[str,
 
 def _optimizer_record(recipe: Recipe) -> dict[str, Any]:
     """The optimizer section as a checkpoint depends on it: fields added later are left out at
-    their old behaviour (DP-AdamBC's two when off, `decay_matrices_only` when false), so that
-    checkpoints written before they existed still resume."""
+    their old behaviour (DP-AdamBC's two when off, `decay_matrices_only` when false,
+    `cooldown_steps` when 0), so that checkpoints written before they existed still resume."""
     record = recipe_to_dict(recipe)["optimizer"]
     if not recipe.optimizer.noise_variance_correction:
         for name in ("noise_variance_correction", "noise_variance_floor"):
             del record[name]
     if not recipe.optimizer.decay_matrices_only:
         del record["decay_matrices_only"]
+    if not recipe.optimizer.cooldown_steps:
+        del record["cooldown_steps"]
     return record
 
 

@@ -177,7 +177,11 @@ def learning_rate(recipe: Recipe) -> optax.Schedule:
     o, total = recipe.optimizer, recipe.total_steps
     end = o.learning_rate * o.end_learning_rate_fraction
     decay_steps = max(total - o.warmup_steps, 1)
-    if o.decay == "constant":
+    if o.decay == "constant" and o.cooldown_steps:
+        stable = max(decay_steps - o.cooldown_steps, 0)
+        cooldown = optax.linear_schedule(o.learning_rate, end, min(o.cooldown_steps, decay_steps))
+        decay = optax.join_schedules([optax.constant_schedule(o.learning_rate), cooldown], [stable])
+    elif o.decay == "constant":
         decay = optax.constant_schedule(o.learning_rate)
     elif o.decay == "linear":
         decay = optax.linear_schedule(o.learning_rate, end, decay_steps)
