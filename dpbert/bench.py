@@ -43,16 +43,16 @@ from dpbert.train.device import ACCELERATOR_MICROBATCH_SIZES, is_accelerator
 SEQ_LEN = 128
 PREDICTIONS = 20
 VOCAB = 8192
-MODELS = {"tiny": (2, 128, 2), "mini": (4, 256, 4), "base": (12, 768, 12)}  # layers, hidden, heads
+MODELS = {"micro": (2, 64, 2), "tiny": (2, 128, 2), "mini": (4, 256, 4), "base": (12, 768, 12)}  # layers, hidden, heads
 # BERT-Large, the paper's model, with its full 30,522-token vocabulary (tests/test_bench.py).
 MODELS["large"] = (24, 1024, 16)
 MODEL_VOCAB = {"large": 30522}
-# The shipped recipes' real shapes: recipes/tiny.yaml (and tiny_nonprivate.yaml) trains BERT tiny on
+# The shipped recipes' real shapes: recipes/tiny.yaml (and tiny_nonprivate.yaml) trains "micro" (2 x 64) on
 # sequences of 16 tokens with its public 8,192-token vocabulary ("bert-base-uncased-8k") and decodes
 # `dpbert.train.mlm.max_predictions(16, 0.3)` = 4 positions per example; "-30k" is the same
 # recipe with the full bert-base-uncased vocabulary (`--set data.tokenizer=bert-base-uncased`).
 # tests/test_tiny_recipe.py checks these against the recipe file.
-RECIPE_PRESETS = {"tiny-recipe": ("tiny", 8192, 16, 4), "tiny-recipe-30k": ("tiny", 30522, 16, 4)}
+RECIPE_PRESETS = {"tiny-recipe": ("micro", 8192, 16, 4), "tiny-recipe-30k": ("micro", 30522, 16, 4)}
 MODELS |= {name: MODELS[base] for name, (base, *_) in RECIPE_PRESETS.items()}
 
 
@@ -119,14 +119,14 @@ ROWS = NONPRIVATE_ROWS + DP_ROWS + PEER_ROWS
 # the per-step costs (noise, optimizer update) are amortized over them. base stays at 16 so
 # that Opacus's per-example gradients (16 x 92M floats) fit a 24 GiB machine: at 32 the
 # process reached 24.3 GB resident and was killed during the first Opacus step.
-DEFAULT_BATCH = {"tiny": 64, "mini": 64, "base": 16, "tiny-recipe": 256, "tiny-recipe-30k": 256}
+DEFAULT_BATCH = {"micro": 64, "tiny": 64, "mini": 64, "base": 16, "tiny-recipe": 256, "tiny-recipe-30k": 256}
 # large: Opacus's per-example gradients are 335M floats per example (1.3 GB): 4 fit a 24 GiB machine.
 DEFAULT_BATCH["large"] = 4
 DEFAULT_MICROBATCH = 4
 # Timed steps per row: the best of 3 moved tiny's DP / non-private ratio between 0.85 and 1.01
 # from run to run on a shared 2-core machine; the best of 10 steps (under 1 s each) is steadier.
 # base steps take seconds each, and its rows are long enough to ride out short interruptions.
-DEFAULT_STEPS = {"tiny": 10, "mini": 10, "base": 3, "tiny-recipe": 5, "tiny-recipe-30k": 5}
+DEFAULT_STEPS = {"micro": 10, "tiny": 10, "mini": 10, "base": 3, "tiny-recipe": 5, "tiny-recipe-30k": 5}
 DEFAULT_STEPS["large"] = 2
 
 

@@ -815,18 +815,18 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--model",
-        choices=["tiny", "mini", "base", "large", "tiny-recipe", "tiny-recipe-30k"],
+        choices=["micro", "tiny", "mini", "base", "large", "tiny-recipe", "tiny-recipe-30k"],
         default="tiny",
-        help="tiny 2x128, mini 4x256, base 12x768 (vocab 8192, seq len 128), large 24x1024 "
+        help="micro 2x64, tiny 2x128, mini 4x256, base 12x768 (vocab 8192, seq len 128), large 24x1024 "
         "(the paper's model, vocab 30522); tiny-recipe: the shapes "
-        "recipes/tiny.yaml trains (2x128, its public 8192-token vocabulary, seq len 16, 4 decoded "
+        "recipes/tiny.yaml trains (2x64, its public 8192-token vocabulary, seq len 16, 4 decoded "
         "positions), tiny-recipe-30k: the same with bert-base-uncased's 30522 tokens (default: tiny)",
     )
     p.add_argument(
         "--batch",
         type=int,
         default=None,
-        help="examples per step (default: 64 for tiny and mini, 16 for base, 256 for the recipe presets)",
+        help="examples per step (default: 64 for micro, tiny and mini, 16 for base, 256 for the recipe presets)",
     )
     p.add_argument(
         "--microbatch",
