@@ -367,7 +367,10 @@ def test_the_ledger_composes_the_vocabulary_and_training_as_dp_accounting_does()
     acc = rdp_privacy_accountant.RdpAccountant()
     acc.compose(dp_accounting.GaussianDpEvent(v.noise_multiplier))
     acc.compose(
-        dp_accounting.PoissonSampledDpEvent(1024 / 175_000, dp_accounting.GaussianDpEvent(stage.noise_multiplier)), 1100
+        dp_accounting.PoissonSampledDpEvent(
+            stage.expected_batch_size / 175_000, dp_accounting.GaussianDpEvent(stage.noise_multiplier)
+        ),
+        1100,
     )
     composed = acc.get_epsilon(1e-6)
     assert ledger.epsilon() == pytest.approx(composed, rel=1e-9)
