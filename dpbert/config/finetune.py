@@ -125,6 +125,12 @@ class SweepConfig:
         return len(self.learning_rate_factors) if self.enabled else 1
 
 
+# `rescale_std: null` rescales a checkpoint whose encoder kernels average more than this many times
+# its initializer_range: between dpbert's tiny releases (DP and non-private) and public BERTs (the
+# scales measured in docs/RESULTS.md, "Rescaling a release before fine-tuning").
+RESCALE_ABOVE = 4.0
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class FinetuneConfig:
     """A fine-tuning recipe: shared settings, one `OptimConfig` per mode, the DP settings.
@@ -143,6 +149,12 @@ class FinetuneConfig:
     repeating its rows (row i takes row i mod n, Beltagy et al. 2020), said in the log and in
     `metrics.json`; false refuses such a `max_seq_len`. Post-processing of the pretrained
     weights: a DP checkpoint's guarantee is unchanged.
+    `rescale_std`: before training, multiply each encoder dense layer (kernel and bias) by
+    rescale_std / the std of its kernel, and the three embedding tables together by rescale_std /
+    the std of the word table (a LayerNorm follows them): each layer keeps the direction of what
+    it computes and loses the scale a DP noise walk gave it. Null derives it: the model's
+    `initializer_range` when the encoder's kernels average more than `RESCALE_ABOVE` times it,
+    else no change; 0 never rescales. Post-processing, said in the log and in `metrics.json`.
     """
 
     dp: bool = False
@@ -169,8 +181,15 @@ class FinetuneConfig:
     eval_every_epochs: int = 1
     train_pooler: bool | None = True
     extend_positions: bool = True
+    rescale_std: float | None = None
 
     def __post_init__(self) -> None:
+        _check(
+            self.rescale_std is None or self.rescale_std >= 0,
+            "rescale_std",
+            "a number >= 0 (0: keep the weights) or null (derived)",
+            self.rescale_std,
+        )
         _check(self.max_seq_len >= 8, "max_seq_len", "an integer >= 8", self.max_seq_len)
         _check(self.seed >= 0, "seed", "an integer >= 0", self.seed)
         _check(self.eval_batch_size > 0, "eval_batch_size", "a positive integer", self.eval_batch_size)

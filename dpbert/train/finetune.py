@@ -35,6 +35,7 @@ from transformers import AutoTokenizer
 from dpbert.atomic import write_json
 from dpbert.config.finetune import (
     DEFAULT_CONFIG,
+    RESCALE_ABOVE,
     DPPlan,
     FinetuneConfig,
     OptimConfig,
@@ -89,6 +90,46 @@ _SHUFFLE_STREAM = 4
 
 
 # ----------------------------------------------------------------------------- parameters
+
+
+def encoder_kernel_std(net: Any) -> float:
+    """The mean, over the encoder's dense layers, of each kernel's standard deviation."""
+    stds = [
+        jnp.std(module.kernel[...], axis=(-2, -1))
+        for _, module in nnx.iter_graph(net.bert.encoder)
+        if isinstance(module, nnx.Linear)
+    ]
+    return float(jnp.mean(jnp.concatenate([jnp.ravel(s) for s in stds])))
+
+
+def rescale_pretrained(net: Any, std: float) -> None:
+    """In place: each encoder dense layer's kernel and bias times std / the kernel's std (per
+    layer of a stacked encoder), and the word, position and token-type tables times std / the
+    word table's std. Reads no data: post-processing of the checkpoint."""
+    emb = net.bert.embeddings
+    factor = std / jnp.std(emb.word_embeddings.embedding[...])
+    for table in (emb.word_embeddings, emb.position_embeddings, emb.token_type_embeddings):
+        table.embedding[...] = table.embedding[...] * factor
+    for _, module in nnx.iter_graph(net.bert.encoder):
+        if isinstance(module, nnx.Linear):
+            kernel = module.kernel[...]
+            factors = std / jnp.std(kernel, axis=(-2, -1), keepdims=True)
+            module.kernel[...] = kernel * factors
+            module.bias[...] = module.bias[...] * factors[..., 0]
+
+
+def _rescale(net: Any, config: FinetuneConfig) -> dict[str, Any]:
+    """Apply `config.rescale_std` (null: derived, see `FinetuneConfig`); what was done, for the
+    log and `metrics.json`."""
+    before, init = encoder_kernel_std(net), net.config.initializer_range
+    target = config.rescale_std
+    rule = "set in the recipe"
+    if target is None:
+        rule = f"derived: rescaled when the encoder kernels average above {RESCALE_ABOVE:g} x initializer_range"
+        target = init if before > RESCALE_ABOVE * init else 0.0
+    if target:
+        rescale_pretrained(net, target)
+    return {"kernel_std": round(before, 5), "initializer_range": init, "rescaled_to": target or None, "rule": rule}
 
 
 # ----------------------------------------------------------------------------- training
@@ -394,6 +435,13 @@ def finetune(
             f"[{task.name}] position table grown from {positions['pretrained']} to {positions['rows']} rows by "
             f"repeating the pretrained rows (max_seq_len {config.max_seq_len}; extend_positions: false refuses)"
         )
+    scale = _rescale(net, config)
+    log(
+        f"[{task.name}] pretrained encoder kernels at std {scale['kernel_std']:.3g} "
+        f"({scale['kernel_std'] / scale['initializer_range']:.1f} x initializer_range {scale['initializer_range']:g}): "
+        + (f"rescaled to {scale['rescaled_to']:g}" if scale["rescaled_to"] else "kept")
+        + f" (rescale_std {config.rescale_std if config.rescale_std is not None else 'null'}; {scale['rule']})"
+    )
     train_pooler = fresh_pooler if config.train_pooler is None else config.train_pooler
     source = source_privacy(model_dir, model)
     if task_scope(task) in {g.scope for g in source.guarantees}:
@@ -514,6 +562,7 @@ def finetune(
         "dev": final,
         "trained": trained,
         "positions": positions,
+        "pretrained_scale": scale,
         "steps": steps,
         "private": config.dp,
         "privacy": privacy,
