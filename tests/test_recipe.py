@@ -47,11 +47,12 @@ def test_every_recipe_parses_and_documents_itself(path):
     assert "Command" in path.read_text() and path.name in path.read_text()
 
 
-def test_tiny_pair_differs_only_in_privacy_and_learning_rate():
+@pytest.mark.parametrize("dp, twin", [("tiny.yaml", "tiny_nonprivate.yaml"), ("small.yaml", "small_nonprivate.yaml")])
+def test_dp_recipe_and_its_twin_differ_only_in_privacy_and_learning_rate(dp, twin):
     """The non-private reference has the same model, data, schedule and compute; only its learning
     rate is tuned on its own (DP noise calls for a larger one)."""
-    tiny = recipe_to_dict(load_recipe(next(p for p in RECIPES if p.name == "tiny.yaml")))
-    base = recipe_to_dict(load_recipe(next(p for p in RECIPES if p.name == "tiny_nonprivate.yaml")))
+    tiny = recipe_to_dict(load_recipe(next(p for p in RECIPES if p.name == dp)))
+    base = recipe_to_dict(load_recipe(next(p for p in RECIPES if p.name == twin)))
     assert tiny["privacy"]["enabled"] and not base["privacy"]["enabled"]
     tiny["optimizer"].pop("learning_rate"), base["optimizer"].pop("learning_rate")
     for section in tiny:

@@ -78,8 +78,9 @@ def test_public_subset_is_a_prefix_of_bert_vocabulary_and_tokenizes_without_unk(
         public_vocab_subset(100)
 
 
-def test_default_recipe_is_private_public_and_within_its_budget():
-    recipe = load_recipe(RECIPES / "tiny.yaml")
+@pytest.mark.parametrize("name", ["tiny.yaml", "small.yaml"])
+def test_dp_recipe_is_private_public_and_within_its_budget(name):
+    recipe = load_recipe(RECIPES / name)
     p = recipe.privacy
     assert p.enabled and p.target_epsilon <= 8.0 and p.delta <= 1e-6 and p.dataset_size is not None
     plan = make_plan(recipe, p.dataset_size, dataset_size_source="declared")
