@@ -36,7 +36,6 @@ CLIP = 0.5
 def _params_and_grads(steps: int, seed: int = 0):
     rng = np.random.default_rng(seed)
     params = {"w": jnp.asarray(rng.normal(size=(5, 3)), jnp.float32), "b": jnp.asarray(rng.normal(size=3), jnp.float32)}
-    # Gradients of magnitude 0.1..1: Adam's v_hat stays far above the default floor 1e-8.
     grads = [
         jax.tree_util.tree_map(
             lambda p: jnp.asarray(rng.choice([-1, 1], p.shape) * rng.uniform(0.1, 1.0, p.shape), jnp.float32), params
@@ -72,7 +71,7 @@ def test_without_noise_it_is_adamw_with_weight_decay_and_a_schedule():
 
 
 def test_noise_variance_of_two_stages_against_numpy():
-    b1, b2, eps, floor = 0.9, 0.9, 1e-8, 1e-8
+    b1, b2, eps, floor = 0.9, 0.9, 1e-8, 0.5
     phi_steps = [(1.5 * CLIP / 4) ** 2] * 3 + [(0.8 * CLIP / 16) ** 2] * 4
     schedule = noise_variance_schedule(TWO_STAGES, CLIP)
     np.testing.assert_allclose(
@@ -93,7 +92,9 @@ def test_noise_variance_of_two_stages_against_numpy():
         phi = b2 * phi + (1 - b2) * phi_t
         phi_hat = phi / (1 - b2**t)
         np.testing.assert_allclose(float(state.phi) / (1 - b2**t), phi_hat, rtol=1e-5)
-        want = m / (1 - b1**t) / (np.sqrt(np.maximum(v / (1 - b2**t) - phi_hat, floor)) + eps)
+        floored = v / (1 - b2**t) - phi_hat < floor * phi_hat
+        assert 0 < floored.sum() < 6 or t < 3  # both branches are exercised
+        want = m / (1 - b1**t) / (np.sqrt(np.maximum(v / (1 - b2**t) - phi_hat, floor * phi_hat)) + eps)
         np.testing.assert_allclose(np.asarray(updates["w"]), want, rtol=1e-4)
     # One stage: phi_hat is that stage's phi exactly (the bias correction undoes the EMA's start).
     one = scale_by_adam_bc(noise_variance_schedule(BatchSchedule(stages=TWO_STAGES.stages[:1]), CLIP), b2=b2)
@@ -103,15 +104,26 @@ def test_noise_variance_of_two_stages_against_numpy():
     np.testing.assert_allclose(float(state.phi) / (1 - b2**3), phi_steps[0], rtol=1e-6)
 
 
-def test_floor_bounds_the_denominator():
-    # Gradients far below the noise level: v_hat - phi_hat < 0, the floor takes over.
+def test_floor_is_a_multiple_of_the_noise_variance_in_every_stage():
+    # Gradients far below the noise level: v_hat - phi_hat < 0, the floor (a multiple of phi_hat) takes over.
     schedule = noise_variance_schedule(TWO_STAGES, CLIP)
     g = {"w": jnp.full(4, 1e-3, jnp.float32)}
-    for floor in (1e-4, 1e-2):
+    phi_1 = (1.5 * CLIP / 4) ** 2
+    for floor in (0.25, 1.0):
         tx = scale_by_adam_bc(schedule, floor=floor, eps=1e-8)
         updates, _ = tx.update(g, tx.init({"w": jnp.zeros(4)}), None)
-        # Step 1: m_hat = g, so the update is g / (sqrt(floor) + eps).
-        np.testing.assert_allclose(np.asarray(updates["w"]), 1e-3 / (np.sqrt(floor) + 1e-8), rtol=1e-6)
+        # Step 1: m_hat = g and phi_hat = phi_1, so the update is g / (sqrt(floor phi_1) + eps).
+        np.testing.assert_allclose(np.asarray(updates["w"]), 1e-3 / (np.sqrt(floor * phi_1) + 1e-8), rtol=1e-4)
+    # Over both stages, a coordinate with no signal steps m_hat / sqrt(floor phi_hat), phi_hat the
+    # bias-corrected b2-average of the stages' phi: the floor follows the noise from stage to stage.
+    b2, floor = 0.9, 0.5
+    tx = scale_by_adam_bc(schedule, floor=floor, b2=b2, eps=0.0)
+    state, m, phi = tx.init({"w": jnp.zeros(4)}), 0.0, 0.0
+    for t in range(1, 8):  # three steps of the first stage, four of the second
+        updates, state = tx.update(g, state, None)
+        m, phi = 0.9 * m + 0.1 * 1e-3, b2 * phi + (1 - b2) * float(schedule(jnp.int32(t - 1)))
+        want = m / (1 - 0.9**t) / np.sqrt(floor * phi / (1 - b2**t))
+        np.testing.assert_allclose(np.asarray(updates["w"]), want, rtol=1e-5)
     with pytest.raises(ValueError, match="floor"):
         scale_by_adam_bc(schedule, floor=0.0)
     with pytest.raises(ValueError, match="clip_norm"):
@@ -125,14 +137,16 @@ RECIPE = {
 
 
 def test_recipe_fields_are_validated_and_named():
-    on = load_recipe_dict(RECIPE, ["optimizer.noise_variance_correction=true", "optimizer.noise_variance_floor=1e-6"])
-    assert on.optimizer.noise_variance_correction and on.optimizer.noise_variance_floor == 1e-6
+    on = load_recipe_dict(
+        RECIPE, ["optimizer.noise_variance_correction=true", "optimizer.noise_variance_floor_ratio=0.5"]
+    )
+    assert on.optimizer.noise_variance_correction and on.optimizer.noise_variance_floor_ratio == 0.5
     with pytest.raises(RecipeError, match="optimizer.noise_variance_correction") as err:
         load_recipe_dict(RECIPE, ["optimizer.noise_variance_correction=true", "privacy.enabled=false"])
     assert err.value.field == "optimizer.noise_variance_correction"
     for bad in ("0", "-1e-8"):
-        with pytest.raises(RecipeError, match="optimizer.noise_variance_floor"):
-            load_recipe_dict(RECIPE, [f"optimizer.noise_variance_floor={bad}"])
+        with pytest.raises(RecipeError, match="optimizer.noise_variance_floor_ratio"):
+            load_recipe_dict(RECIPE, [f"optimizer.noise_variance_floor_ratio={bad}"])
     # The optimizer needs the plan's noise multipliers; given them, its state keeps phi.
     with pytest.raises(ValueError, match="optimizer.noise_variance_correction"):
         make_optimizer(on)
@@ -143,7 +157,7 @@ def test_recipe_fields_are_validated_and_named():
     manifest = type("M", (), {"tokenizer_fingerprint": "t" * 16, "corpus_sha256": "c" * 16, "seq_len": 128})
     off = load_recipe_dict(RECIPE)
     assert state_fingerprints(off, manifest, 1000)["optimizer"] != state_fingerprints(on, manifest, 1000)["optimizer"]
-    later = ("noise_variance_correction", "noise_variance_floor", "decay_matrices_only", "cooldown_steps")
+    later = ("noise_variance_correction", "noise_variance_floor_ratio", "decay_matrices_only", "cooldown_steps")
     before = {k: v for k, v in recipe_to_dict(off)["optimizer"].items() if k not in later}
     assert state_fingerprints(off, manifest, 1000)["optimizer"] == fingerprint(before)
 

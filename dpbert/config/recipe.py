@@ -280,8 +280,9 @@ class OptimizerConfig:
     `ema_decay`: keep a moving average of the parameters with this decay, evaluate and release it
     (post-processing: no privacy cost); null: release the last iterate.
     `noise_variance_correction`: DP-AdamBC (Tang et al. 2024; `dpbert.privacy.adam_bc`): Adam's
-    second moment less the variance (sigma C / B)^2 that each stage's noise adds to it, floored at
-    `noise_variance_floor`; private runs only, post-processing (the ledger does not change).
+    second moment less the variance phi = (sigma C / B)^2 that each stage's noise adds to it, floored at
+    `noise_variance_floor_ratio` x phi (1: noise-only coordinates step as under Adam); private runs only,
+    post-processing (the ledger does not change).
     """
 
     name: Literal["adamw"] = "adamw"
@@ -297,11 +298,16 @@ class OptimizerConfig:
     cooldown_steps: int = 0
     ema_decay: float | None = None
     noise_variance_correction: bool = False
-    noise_variance_floor: float = 1e-8
+    noise_variance_floor_ratio: float = 1.0
 
     def __post_init__(self) -> None:
         _check(self.learning_rate > 0, "learning_rate", "a positive number", self.learning_rate)
-        _check(self.noise_variance_floor > 0, "noise_variance_floor", "a positive number", self.noise_variance_floor)
+        _check(
+            self.noise_variance_floor_ratio > 0,
+            "noise_variance_floor_ratio",
+            "a positive multiple of the noise variance",
+            self.noise_variance_floor_ratio,
+        )
         _check(
             self.ema_decay is None or 0.0 < self.ema_decay < 1.0,
             "ema_decay",

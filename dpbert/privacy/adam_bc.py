@@ -4,13 +4,18 @@ Bias Correction)"): Adam whose second moment has the DP noise's variance taken o
 The noisy gradient of a DP-SGD step is g~ = g + z / B with z ~ N(0, (sigma C)^2 I), so each
 coordinate of g~ has noise variance phi = (sigma C / B)^2 and Adam's second moment v estimates
 E[g~^2] = g^2 + phi: at DP scale phi dominates, v is nearly constant and Adam acts as SGD with a
-fixed learning rate. AdamBC divides by sqrt(max(v_hat - phi_hat, floor)) instead, where phi_hat is
-the b2-moving average of the steps' phi with v's bias correction (the schedule's stages may change
-sigma and B, so phi changes from stage to stage).
+fixed learning rate. AdamBC divides by sqrt(max(v_hat - phi_hat, floor x phi_hat)) instead, where
+phi_hat is the b2-moving average of the steps' phi with v's bias correction (the schedule's stages
+may change sigma and B, so phi changes from stage to stage). The floor is a multiple of phi_hat, so
+one value suits every stage and recipe: at 1, a coordinate whose second moment is all noise steps
+as far as under Adam (m_hat / sqrt(phi_hat)), and one that carries signal loses the noise's share of
+its denominator. A floor far below phi_hat lets noise-only coordinates divide by a fluctuating
+sqrt(v_hat - phi_hat) near 0 (docs/RESULTS.md: an absolute floor of 1e-8 left the default at the
+unigram plateau).
 
 Guarantees: the transformation reads only the noisy gradient and public numbers (sigma, C, B of
 each stage), so it is post-processing: the DP guarantee and the ledger do not change. With phi = 0
-everywhere it computes optax.adamw's update, as long as the floor is below Adam's v_hat.
+everywhere the floor is 0 and it computes optax.adamw's update.
 """
 
 from __future__ import annotations
@@ -58,14 +63,14 @@ def scale_by_adam_bc(
     b1: float = 0.9,
     b2: float = 0.999,
     eps: float = 1e-8,
-    floor: float = 1e-8,
+    floor: float = 1.0,
 ) -> optax.GradientTransformation:
-    """Adam's scaling m_hat / (sqrt(max(v_hat - phi_hat, floor)) + eps), `noise_variance(t)` the
+    """Adam's scaling m_hat / (sqrt(max(v_hat - phi_hat, floor * phi_hat)) + eps), `noise_variance(t)` the
     noise variance phi_t of step t's gradient (`noise_variance_schedule`) and phi_hat its
     b2-average with the bias correction of v_hat, so that E[v_hat] - phi_hat is the average of the
     noise-free g^2."""
     if not floor > 0:
-        raise ValueError(f"floor: expected a positive number, got {floor!r}")
+        raise ValueError(f"floor: expected a positive multiple of the noise variance, got {floor!r}")
 
     def init(params: Any) -> ScaleByAdamBCState:
         return ScaleByAdamBCState(
@@ -84,9 +89,12 @@ def scale_by_adam_bc(
         mu_hat = optax.tree.bias_correction(mu, b1, count)
         nu_hat = optax.tree.bias_correction(nu, b2, count)
         phi_hat = phi / (1.0 - jnp.asarray(b2, _F32) ** count.astype(_F32))
-        updates = jax.tree.map(
-            lambda m, v: m / (jnp.sqrt(jnp.maximum(v - phi_hat.astype(v.dtype), floor)) + eps), mu_hat, nu_hat
-        )
+
+        def scale(m: jax.Array, v: jax.Array) -> jax.Array:
+            phi_v = phi_hat.astype(v.dtype)
+            return m / (jnp.sqrt(jnp.maximum(v - phi_v, floor * phi_v)) + eps)
+
+        updates = jax.tree.map(scale, mu_hat, nu_hat)
         return updates, ScaleByAdamBCState(count=count, mu=mu, nu=optax.tree.cast_like(nu, state.nu), phi=phi)
 
     return optax.GradientTransformation(init, update)
@@ -101,10 +109,10 @@ def adam_bc(
     eps: float = 1e-8,
     weight_decay: float = 0.01,
     mask: Any = None,
-    floor: float = 1e-8,
+    floor: float = 1.0,
 ) -> optax.GradientTransformation:
     """DP-AdamBC with decoupled weight decay: optax.adamw's chain with `scale_by_adam_bc` in
-    place of Adam's scaling (same arguments, plus the noise variance and the floor)."""
+    place of Adam's scaling (same arguments, plus the noise variance and the floor, a multiple of it)."""
     return optax.chain(
         scale_by_adam_bc(noise_variance, b1=b1, b2=b2, eps=eps, floor=floor),
         optax.add_decayed_weights(weight_decay, mask),

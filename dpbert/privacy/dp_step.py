@@ -72,7 +72,7 @@ def default_optimizer(
     eps: float = 1e-8,
     ema_decay: float | None = None,
     noise_variance: optax.Schedule | None = None,
-    noise_variance_floor: float = 1e-8,
+    noise_variance_floor_ratio: float = 1.0,
 ) -> optax.GradientTransformation:
     """The optimizer of every dpbert task: AdamW with decoupled weight decay on every trained
     parameter (optax.adamw; Anil et al. found a large decay helps under DP); with
@@ -81,8 +81,8 @@ def default_optimizer(
 
     With `noise_variance` (step -> per-coordinate variance of the noise in that step's averaged
     gradient, `dpbert.privacy.adam_bc.noise_variance_schedule`), DP-AdamBC instead: the second
-    moment less the noise variance, floored at `noise_variance_floor` (post-processing: no privacy
-    cost).
+    moment less the noise variance, floored at `noise_variance_floor_ratio` times that variance
+    (post-processing: no privacy cost).
 
     With `ema_decay`, the state also keeps the debiased exponential moving average of the
     parameters after each update (`ema_params`): post-processing of the noisy iterates, so it
@@ -99,7 +99,7 @@ def default_optimizer(
             eps=eps,
             weight_decay=weight_decay,
             mask=mask,
-            floor=noise_variance_floor,
+            floor=noise_variance_floor_ratio,
         )
     if ema_decay is None:
         return tx

@@ -274,7 +274,7 @@ def _optimizer_record(recipe: Recipe) -> dict[str, Any]:
     `cooldown_steps` when 0), so that checkpoints written before they existed still resume."""
     record = recipe_to_dict(recipe)["optimizer"]
     if not recipe.optimizer.noise_variance_correction:
-        for name in ("noise_variance_correction", "noise_variance_floor"):
+        for name in ("noise_variance_correction", "noise_variance_floor_ratio"):
             del record[name]
     if not recipe.optimizer.decay_matrices_only:
         del record["decay_matrices_only"]

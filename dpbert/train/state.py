@@ -115,7 +115,7 @@ def make_optimizer(recipe: Recipe, schedule: BatchSchedule | None = None) -> opt
         eps=o.eps,
         ema_decay=o.ema_decay,
         noise_variance=noise_variance,
-        noise_variance_floor=o.noise_variance_floor,
+        noise_variance_floor_ratio=o.noise_variance_floor_ratio,
     )
 
 
