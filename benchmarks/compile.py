@@ -147,7 +147,7 @@ def child_preset(model: str, what: str) -> dict:
 
 def child_microbatch(size: int, private: bool, expected: int) -> dict:
     import dpbert
-    from dpbert.config.recipe import load_recipe
+    from dpbert.config.recipe import NONPRIVATE_OVERRIDES, load_recipe
     from dpbert.train.compile import compile_step
     from dpbert.train.mesh import make_mesh
 
@@ -159,7 +159,7 @@ def child_microbatch(size: int, private: bool, expected: int) -> dict:
         f"model.vocab_size={RECIPE_VOCAB}",
     ]
     if not private:
-        overrides.append("privacy.enabled=false")
+        overrides.extend(NONPRIVATE_OVERRIDES)
     recipe = load_recipe(Path(dpbert.__file__).resolve().parents[1] / "recipes" / "tiny.yaml", overrides)
     started, cpu = time.perf_counter(), time.process_time()
     report = compile_step(recipe, make_mesh())

@@ -893,7 +893,19 @@ def test_noise_free_run_is_caught_and_the_correct_run_stays_below_its_claim(tmp_
     quarter = "schedule=[{steps: 275, expected_batch_size: 1728}]"
 
     def audit(*argv: str) -> None:  # XLA's default codegen: run time dominates
-        command = [sys.executable, "-m", "dpbert.cli", "audit", _TINY, "--kind", "gradient", "--json", "--set", quarter, *argv]
+        command = [
+            sys.executable,
+            "-m",
+            "dpbert.cli",
+            "audit",
+            _TINY,
+            "--kind",
+            "gradient",
+            "--json",
+            "--set",
+            quarter,
+            *argv,
+        ]
         proc = subprocess.run(command, env=default_codegen_env(), capture_output=True, text=True, timeout=900)
         assert proc.returncode == 0, proc.stderr[-3000:]
 

@@ -578,6 +578,11 @@ def parse_section(cls: type, raw: Any, field: str) -> Any:
         raise RecipeError(f"{prefix}{err.field}", err.message) from None
 
 
+# The overrides that turn a private recipe into its non-private twin: no privacy, and no DP-AdamBC
+# (which corrects for a noise the twin does not add).
+NONPRIVATE_OVERRIDES = ("privacy.enabled=false", "optimizer.noise_variance_correction=false")
+
+
 def load_recipe_dict(raw: Mapping[str, Any], overrides: Iterable[str] = ()) -> Recipe:
     """Validate a recipe mapping after applying `key.path=value` overrides."""
     return parse_section(Recipe, apply_overrides(raw, overrides), "")

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dpbert.atomic import write_json
-from dpbert.config.recipe import Recipe, load_recipe
+from dpbert.config.recipe import NONPRIVATE_OVERRIDES, Recipe, load_recipe
 from dpbert.data.store import TOKENIZER_DIR, StoreManifest, read_manifest
 from dpbert.model import functional
 from dpbert.model.bert import BertForMaskedLM
@@ -236,7 +236,7 @@ def run_exposure_audit(
         twin_path,
         out / "run_nonprivate",
         marker={**marker, "model": "nonprivate"},
-        overrides=[*overrides, "privacy.enabled=false"],
+        overrides=[*overrides, *NONPRIVATE_OVERRIDES],
         noise_seed_file=None,
         mechanism=f"audit/{KIND}/nonprivate",
         **common,

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from dpbert.atomic import write_json
-from dpbert.config.recipe import load_recipe, read_yaml
+from dpbert.config.recipe import NONPRIVATE_OVERRIDES, load_recipe, read_yaml
 from dpbert.train.pretrain import pretrain
 
 SWEEP_FIELDS = (
@@ -155,7 +155,7 @@ def _arm(name: str, private: bool, stages: Sequence[tuple[int, int]], spec: Swee
         *own,
         f"schedule={json.dumps([{'steps': t, 'expected_batch_size': b} for t, b in stages])}",
         f"optimizer.warmup_steps={min(steps - 1, round(spec.warmup_fraction * steps))}",
-        f"privacy.enabled={'true' if private else 'false'}",
+        *(("privacy.enabled=true",) if private else NONPRIVATE_OVERRIDES),
     ]
     if private and spec.target_epsilon is not None:
         overrides.append(f"privacy.target_epsilon={spec.target_epsilon}")
