@@ -254,6 +254,38 @@ def test_sigkill_then_sigterm_then_resume_equals_uninterrupted(workspace, refere
         assert a["nonprivate_diagnostics"]["loss"] == pytest.approx(b["nonprivate_diagnostics"]["loss"], abs=1e-5)
 
 
+def test_moving_average_is_released_at_the_same_ledger(workspace, reference_run, tmp_path):
+    """`optimizer.ema_decay`: post-processing of the noisy iterates. With the reference run's secret the
+    iterates, the ledger and epsilon are the reference run's; what is evaluated, exported and released is
+    the average, and the last iterate's held-out figures are the reference run's."""
+    recipe, ref_dir, ref = reference_run
+    run_dir = tmp_path / "ema"
+    result = pretrain(
+        recipe,
+        run_dir,
+        overrides=["optimizer.ema_decay=0.5"],
+        progress=False,
+        log=lambda s: None,
+        noise_seed_file=workspace["seed_file"],
+    )
+    assert json.loads((run_dir / "privacy.json").read_text()) == json.loads((ref_dir / "privacy.json").read_text())
+    assert result.epsilon == ref.epsilon
+    released = json.loads((run_dir / "release" / "privacy.json").read_text())["guarantees"]
+    assert released == json.loads((ref_dir / "release" / "privacy.json").read_text())["guarantees"]
+    (last,) = [r for r in read_metrics(run_dir / "metrics.jsonl") if r["kind"] == "eval"][-1:]
+    (ref_last,) = [r for r in read_metrics(ref_dir / "metrics.jsonl") if r["kind"] == "eval"][-1:]
+    assert last["params"] == "moving average (decay 0.5)"
+    assert last["eval_mlm_loss_last_iterate"] == pytest.approx(ref_last["eval_mlm_loss"], abs=1e-5)
+    assert last["eval_mlm_loss"] != pytest.approx(ref_last["eval_mlm_loss"], abs=1e-4)
+    assert result.eval_mlm_accuracy == pytest.approx(last["eval_mlm_accuracy"])
+    averaged, last_iterate = final_params(run_dir), final_params(ref_dir)
+    assert load_file(str(run_dir / "release" / "model.safetensors")).keys() == averaged.keys()
+    for name, value in load_file(str(run_dir / "release" / "model.safetensors")).items():
+        np.testing.assert_array_equal(value, averaged[name], err_msg=name)
+    moved = [n for n in averaged if not np.allclose(averaged[n], last_iterate[n], rtol=0, atol=1e-6)]
+    assert len(moved) > len(averaged) // 2, moved  # the release is the average, not the last iterate
+
+
 def test_resume_that_would_pass_the_target_epsilon_is_refused(workspace, reference_run):
     recipe, ref_dir, ref = reference_run
     with pytest.raises(ValueError, match="privacy budget exceeded"):
