@@ -8,6 +8,7 @@ import pytest
 import yaml
 
 from dpbert.config.recipe import (
+    NONPRIVATE_OVERRIDES,
     Recipe,
     RecipeError,
     load_recipe,
@@ -50,13 +51,17 @@ def test_every_recipe_parses_and_documents_itself(path):
 @pytest.mark.parametrize("dp, twin", [("tiny.yaml", "tiny_nonprivate.yaml"), ("small.yaml", "small_nonprivate.yaml")])
 def test_dp_recipe_and_its_twin_differ_only_in_privacy_and_learning_rate(dp, twin):
     """The non-private reference has the same model, data, schedule and compute; only its learning
-    rate is tuned on its own (DP noise calls for a larger one), and DP-AdamBC, which corrects for the
-    noise, is a private run's alone."""
+    rate is tuned on its own (DP noise calls for a larger one), and DP-AdamBC and the moving average,
+    which correct for the noise and average it out, are a private run's alone (`NONPRIVATE_OVERRIDES`)."""
     tiny = recipe_to_dict(load_recipe(next(p for p in RECIPES if p.name == dp)))
     base = recipe_to_dict(load_recipe(next(p for p in RECIPES if p.name == twin)))
     assert tiny["privacy"]["enabled"] and not base["privacy"]["enabled"]
+    built = recipe_to_dict(load_recipe(next(p for p in RECIPES if p.name == dp), NONPRIVATE_OVERRIDES))
+    assert built["optimizer"] == {**tiny["optimizer"], "noise_variance_correction": False, "ema_decay": None}
     for name in ("learning_rate", "noise_variance_correction", "noise_variance_floor_ratio"):
         tiny["optimizer"].pop(name), base["optimizer"].pop(name)
+    assert base["optimizer"].pop("ema_decay") is None
+    tiny["optimizer"].pop("ema_decay")
     for section in tiny:
         if section != "privacy":
             assert tiny[section] == base[section], section

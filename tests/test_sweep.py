@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from dpbert.config.plan import make_plan
-from dpbert.config.recipe import recipe_to_dict
+from dpbert.config.recipe import NONPRIVATE_OVERRIDES, recipe_to_dict
 from dpbert.train import sweep as sweep_lib
 from dpbert.train.pretrain_report import RunResult
 from dpbert.train.sweep import arm_recipe, build_arms, format_table, load_sweep, plot_sweep
@@ -67,9 +67,9 @@ def test_arms_process_the_same_examples_and_differ_only_in_the_schedule(spec):
             assert r["privacy"]["target_epsilon"] == first["privacy"]["target_epsilon"]
         elif arm.private:
             assert rest(r) == first, arm.name
-        else:  # the non-private reference may carry its own tuning (nonprivate_set) and no DP-AdamBC, nothing else
-            tuned = {o.partition("=")[0] for o in spec.nonprivate_set} | {"optimizer.noise_variance_correction"}
-            assert not r["optimizer"]["noise_variance_correction"]
+        else:  # the non-private reference may carry its own tuning (nonprivate_set) and the twin's optimizer
+            tuned = {o.partition("=")[0] for o in (*spec.nonprivate_set, *NONPRIVATE_OVERRIDES)}
+            assert not r["optimizer"]["noise_variance_correction"] and r["optimizer"]["ema_decay"] is None
             mine, base = _flatten(rest(r)), _flatten(first)
             assert {k for k in mine if mine[k] != base.get(k)} <= tuned
 

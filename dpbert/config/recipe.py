@@ -578,9 +578,14 @@ def parse_section(cls: type, raw: Any, field: str) -> Any:
         raise RecipeError(f"{prefix}{err.field}", err.message) from None
 
 
-# The overrides that turn a private recipe into its non-private twin: no privacy, and no DP-AdamBC
-# (which corrects for a noise the twin does not add).
-NONPRIVATE_OVERRIDES = ("privacy.enabled=false", "optimizer.noise_variance_correction=false")
+# The overrides that turn a private recipe into its non-private twin: no privacy, no DP-AdamBC (which
+# corrects for a noise the twin does not add) and the last iterate, not a moving average (which averages
+# that noise out), as the twins of the shipped recipes are measured.
+NONPRIVATE_OVERRIDES = (
+    "privacy.enabled=false",
+    "optimizer.noise_variance_correction=false",
+    "optimizer.ema_decay=null",
+)
 
 
 def load_recipe_dict(raw: Mapping[str, Any], overrides: Iterable[str] = ()) -> Recipe:
