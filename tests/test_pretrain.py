@@ -260,12 +260,13 @@ def test_moving_average_is_released_at_the_same_ledger(workspace, reference_run,
     the average, and the last iterate's held-out figures are the reference run's."""
     recipe, ref_dir, ref = reference_run
     run_dir = tmp_path / "ema"
+    lines: list[str] = []
     result = pretrain(
         recipe,
         run_dir,
         overrides=["optimizer.ema_decay=0.5"],
         progress=False,
-        log=lambda s: None,
+        log=lines.append,
         noise_seed_file=workspace["seed_file"],
     )
     assert json.loads((run_dir / "privacy.json").read_text()) == json.loads((ref_dir / "privacy.json").read_text())
@@ -278,6 +279,13 @@ def test_moving_average_is_released_at_the_same_ledger(workspace, reference_run,
     assert last["eval_mlm_loss_last_iterate"] == pytest.approx(ref_last["eval_mlm_loss"], abs=1e-5)
     assert last["eval_mlm_loss"] != pytest.approx(ref_last["eval_mlm_loss"], abs=1e-4)
     assert result.eval_mlm_accuracy == pytest.approx(last["eval_mlm_accuracy"])
+    assert result.params == last["params"] and ref.params is None and ref.last_iterate is None
+    assert result.last_iterate == (last["eval_mlm_accuracy_last_iterate"], last["eval_mlm_loss_last_iterate"])
+    accuracy, loss = result.last_iterate
+    assert (
+        f"  of the released moving average (decay 0.5); the last iterate: {100 * accuracy:.2f}% (loss {loss:.3f})"
+        in lines
+    )
     averaged, last_iterate = final_params(run_dir), final_params(ref_dir)
     assert load_file(str(run_dir / "release" / "model.safetensors")).keys() == averaged.keys()
     for name, value in load_file(str(run_dir / "release" / "model.safetensors")).items():

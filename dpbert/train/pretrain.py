@@ -377,6 +377,12 @@ def _finish(
         eval_unigram_accuracy=last_eval["eval_unigram_accuracy"],
         unigram_token=data.tokenizer.convert_ids_to_tokens(data.unigram),
         reference=recipe_reference(recipe),
+        params=last_eval.get("params"),
+        last_iterate=(
+            (last_eval["eval_mlm_accuracy_last_iterate"], last_eval["eval_mlm_loss_last_iterate"])
+            if "eval_mlm_accuracy_last_iterate" in last_eval
+            else None
+        ),
     )
     if primary:
         print_report(result, release_dir, log)

@@ -39,6 +39,10 @@ class RunResult:
     unigram_token: str | None = None
     # The recipe's `reference` section: (accuracy, note) of its non-private twin, same compute.
     reference: tuple[float, str] | None = None
+    # With `optimizer.ema_decay`: what was evaluated and released ("moving average (decay D)"), and
+    # the last iterate's held-out (accuracy, loss) on the same masks.
+    params: str | None = None
+    last_iterate: tuple[float, float] | None = None
 
 
 def write_hf(
@@ -94,6 +98,9 @@ def print_report(result: RunResult, release: Path | None, log: Callable[[str], N
     else:
         log(f"privacy: epsilon = {result.epsilon:.3f} at delta = {result.delta:g}")
     log(f"held-out MLM accuracy: {100 * result.eval_mlm_accuracy:.2f}%  (loss {result.eval_mlm_loss:.3f})")
+    if result.params is not None and result.last_iterate is not None:
+        accuracy, loss = result.last_iterate
+        log(f"  of the released {result.params}; the last iterate: {100 * accuracy:.2f}% (loss {loss:.3f})")
     rows = [
         (
             "this run, " + ("NOT private" if result.epsilon is None else f"DP at epsilon {result.epsilon:.2f}"),
