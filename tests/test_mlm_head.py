@@ -11,11 +11,16 @@ import pytest
 from flax import nnx
 from transformers import BertConfig
 
+from dpbert.config.recipe import load_recipe_dict
 from dpbert.model import functional
 from dpbert.model.bert import BertForMaskedLM
 from dpbert.privacy.clipping import clipped_grad_sum
 from dpbert.privacy.ghost_clipping import ghost_clipped_grad_sum
+from dpbert.privacy.randomness import SUPPLIED, RunSecret
+from dpbert.train.mesh import make_mesh
 from dpbert.train.mlm import MaskedMLMGhostLoss, all_selected_masked, make_loss_fn, make_masker, max_predictions
+from dpbert.train.pretrain import build_setup
+from dpbert.train.state import bert_config
 
 VOCAB, SEQ = 97, 24
 SPECIALS = (0, 1, 2, 3, 4)  # [PAD] [UNK] [CLS] [SEP] [MASK]
@@ -154,3 +159,46 @@ def test_held_out_scoring_shows_every_selected_token_as_mask():
     selected = np.zeros(ids.shape, bool)
     np.put_along_axis(selected, np.asarray(x["masked_positions"]), w, axis=1)
     assert np.array_equal(shown[~selected], ids[~selected])
+
+
+def _setup_masking(**data):
+    """`build_setup`'s two maskers for a one-layer recipe over this module's vocabulary."""
+    recipe = load_recipe_dict(
+        {
+            "model": {"vocab_size": VOCAB, "hidden_size": 16, "num_hidden_layers": 1, "num_attention_heads": 2},
+            "data": {"seq_len": SEQ, **data},
+            "schedule": [{"steps": 2, "expected_batch_size": 8}],
+            "privacy": {"noise_multiplier": 1.0, "delta": 1e-5},
+        }
+    )
+    token_ids = {"mask_token_id": 4, "special_token_ids": SPECIALS, "pad_id": 0}
+    setup = build_setup(
+        recipe,
+        make_mesh(devices=jax.devices()[:1]),
+        config=bert_config(recipe),
+        seq_len=SEQ,
+        token_ids=token_ids,
+        secret=RunSecret(bytes(range(32)), SUPPLIED),
+        mechanism="pretrain",
+    )
+    return setup.masker, setup.eval_masker
+
+
+def test_held_out_masks_follow_eval_mask_prob_not_the_training_rate():
+    """A run trained at 45% masking with `eval_mask_prob: 0.3` is scored on exactly the masks of a
+    run trained at 30%; without `eval_mask_prob` held-out scoring masks at the training rate."""
+    ids = np.random.default_rng(3).integers(5, VOCAB, (64, SEQ)).astype(np.int32)
+    ids[:, 0], ids[:, -1] = 2, 3
+
+    def masks(masker):
+        x = jax.vmap(masker, in_axes=(None, None, 0, 0))(jax.random.key(9), 0, jnp.arange(64), jnp.asarray(ids))
+        return {k: np.asarray(v) for k, v in x.items()}
+
+    train30, eval30 = map(masks, _setup_masking(mask_prob=0.3))
+    train45, eval45 = map(masks, _setup_masking(mask_prob=0.45, eval_mask_prob=0.3))
+    for k in eval30:
+        np.testing.assert_array_equal(eval45[k], eval30[k], err_msg=k)
+        np.testing.assert_array_equal(eval30[k], train30[k], err_msg=k)
+    # round(0.3 * 22) = 7 and round(0.45 * 22) = 10 tokens selected in every full row.
+    assert (eval45["label_weights"].sum(1) == 7).all()
+    assert (train45["label_weights"].sum(1) == 10).all()

@@ -114,6 +114,10 @@ class DataConfig:
     the masking key, so a model trained on short sequences trains every row of its position table
     (e.g. seq_len 16 with 64 positions). Held-out scoring uses offset 0. The offsets are
     data-independent randomness: the DP guarantee and the ledger do not change.
+
+    `mask_prob`: the share of eligible tokens selected for training's masked-LM loss.
+    `eval_mask_prob`: the share held-out scoring masks (null: `mask_prob`), so that runs trained
+    at different masking rates are scored on the same masks.
     """
 
     corpus: str = "sotu"
@@ -125,6 +129,7 @@ class DataConfig:
     split_seed: int = 0
     train_vocab_size: int = 8192
     mask_prob: float = 0.15
+    eval_mask_prob: float | None = None
     vocab_epsilon: float | None = None
     vocab_delta: float | None = None
     vocab_unit: Literal["document", "sequence"] | None = None
@@ -148,6 +153,12 @@ class DataConfig:
         _check(self.split_seed >= 0, "split_seed", "an integer >= 0", self.split_seed)
         _check(self.train_vocab_size >= 10, "train_vocab_size", "an integer >= 10", self.train_vocab_size)
         _check(0.0 < self.mask_prob < 1.0, "mask_prob", "a probability in (0, 1)", self.mask_prob)
+        _check(
+            self.eval_mask_prob is None or 0.0 < self.eval_mask_prob < 1.0,
+            "eval_mask_prob",
+            "a probability in (0, 1) or null",
+            self.eval_mask_prob,
+        )
         self._check_dp_vocabulary()
 
     def _check_dp_vocabulary(self) -> None:

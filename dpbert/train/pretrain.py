@@ -392,8 +392,8 @@ def _finish(
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Setup:
     """What every pretraining step of a recipe is built from (`build_setup`): the model config,
-    the optimizer, the abstract state in the mesh's shardings, the masking, the run's keys and the
-    per-example masked-LM loss. `pretrain`, `dpbert pretrain --compile-only` and the audit build it
+    the optimizer, the abstract state in the mesh's shardings, the masking (training's, and
+    held-out scoring's at `data.eval_mask_prob`), the run's keys and the per-example masked-LM loss. `pretrain`, `dpbert pretrain --compile-only` and the audit build it
     the same way, so they compile the same step."""
 
     recipe: Recipe
@@ -402,6 +402,7 @@ class Setup:
     optimizer: optax.GradientTransformation
     abstract: AbstractState
     masker: Callable[..., dict[str, jax.Array]]
+    eval_masker: Callable[..., dict[str, jax.Array]]
     masking_key: jax.Array
     stage_keys: tuple[jax.Array, ...]
     loss_fn: Any
@@ -464,6 +465,13 @@ def build_setup(
         max_position_offset=max_position_offset(recipe, config, seq_len),
         **token_ids,
     )
+    eval_prob = recipe.data.eval_mask_prob or recipe.data.mask_prob
+    eval_masker = make_masker(
+        vocab_size=config.vocab_size,
+        mask_prob=eval_prob,
+        num_predictions=max_predictions(seq_len, eval_prob),
+        **token_ids,
+    )
     return Setup(
         recipe=recipe,
         mesh=mesh,
@@ -471,6 +479,7 @@ def build_setup(
         optimizer=optimizer,
         abstract=abstract,
         masker=masker,
+        eval_masker=eval_masker,
         masking_key=masking_key,
         stage_keys=stage_keys,
         loss_fn=make_mlm_loss(recipe, abstract.graphdef, masker, masking_key),
@@ -676,7 +685,7 @@ def pretrain(
         fingerprints=fingerprints,
         run_dir=run_dir,
         device_batches=device_batches,
-        eval_fn=make_eval_fn(setup.abstract.graphdef, setup.masker, manifest.mask_id),
+        eval_fn=make_eval_fn(setup.abstract.graphdef, setup.eval_masker, manifest.mask_id),
         progress=progress and primary,
     )
     return _finish(
