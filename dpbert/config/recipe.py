@@ -116,8 +116,8 @@ class DataConfig:
     data-independent randomness: the DP guarantee and the ledger do not change.
 
     `mask_prob`: the share of eligible tokens selected for training's masked-LM loss.
-    `eval_mask_prob`: the share held-out scoring masks (null: `mask_prob`), so that runs trained
-    at different masking rates are scored on the same masks.
+    `eval_mask_prob`: the share of eligible tokens that held-out scoring masks (null: `mask_prob`),
+    so that runs trained at different masking rates are scored on the same masks.
     """
 
     corpus: str = "sotu"

@@ -393,8 +393,9 @@ def _finish(
 class Setup:
     """What every pretraining step of a recipe is built from (`build_setup`): the model config,
     the optimizer, the abstract state in the mesh's shardings, the masking (training's, and
-    held-out scoring's at `data.eval_mask_prob`), the run's keys and the per-example masked-LM loss. `pretrain`, `dpbert pretrain --compile-only` and the audit build it
-    the same way, so they compile the same step."""
+    held-out scoring's at `data.eval_mask_prob`), the run's keys and the per-example masked-LM
+    loss. `pretrain`, `dpbert pretrain --compile-only` and the audit build it the same way, so
+    they compile the same step."""
 
     recipe: Recipe
     mesh: Mesh
